@@ -1,0 +1,222 @@
+"""Record and replay the per-token expert choices of a transformers MoE model.
+
+`RoutingController(model)` puts a forward hook on every top-k router of the model (the
+`*TopKRouter` modules of transformers' Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral) and a pre-hook on
+the MoE block that owns it (to learn the [B, T] layout of the flattened tokens). The model's
+classes are not replaced; with no context open, the hooks return at once and change nothing.
+
+- `with ctl.record() as rec:` keeps each router's own top-k ids (and optionally its logits);
+  several forwards concatenate along time (prefill, then cached decode steps). `rec.trace`.
+- `with ctl.replay(trace):` sends every token to the trace's experts. Gate weights are rebuilt from
+  the *current* router logits at those ids, normalised as the family does (softmax over all experts,
+  gather, optional renormalisation), so router gradients still flow (R3, arXiv 2510.11370).
+  A trace that does not fit the forward raises `RoutingReplayError`; replay never falls back.
+
+Both can be open at once: then `record` captures the experts the router *would* have chosen
+(its free top-k given the replayed upstream layers), which is how expert change is measured
+during replayed training forwards.
+
+Gradient checkpointing recomputes a layer in backward, running its router hook again. A hook that
+runs inside the autograd engine is such a recompute: it records nothing and routes by the ids that
+layer's latest forward used (replayed or free), even when backward runs after replay() has closed.
+So under checkpointing, run backward before the next forward of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from moe_rl.routing.trace import RoutingTrace, ids_dtype
+
+# Shape legend: B rows, T tokens per row, N = B*T flattened tokens, K top-k, E experts, L layers.
+
+
+class RoutingReplayError(RuntimeError):
+    """A replay trace does not match the forward it is replayed on."""
+
+
+def _is_router(module: nn.Module) -> bool:
+    return (
+        type(module).__name__.endswith("TopKRouter")
+        and hasattr(module, "top_k")
+        and hasattr(module, "num_experts")
+    )
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs, i.e. during a gradient-checkpointing recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Recorder:
+    """Collects per-layer chunks of expert ids during `RoutingController.record()`."""
+
+    def __init__(self, num_layers: int, num_experts: int, with_logits: bool) -> None:
+        self.num_experts = num_experts
+        self.with_logits = with_logits
+        self._ids: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._logits: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def add(self, layer: int, ids_BTK: torch.Tensor, logits_BTE: torch.Tensor | None) -> None:
+        self._ids[layer].append(ids_BTK.to(ids_dtype(self.num_experts)))
+        if self.with_logits:
+            self._logits[layer].append(logits_BTE.detach().float())
+
+    @property
+    def trace(self) -> RoutingTrace:
+        """Everything recorded so far as one `[B, T, L, K]` trace."""
+        if not self._ids[0]:
+            raise RoutingReplayError("nothing was recorded: no forward ran inside record()")
+        lengths = {sum(c.shape[1] for c in chunks) for chunks in self._ids}
+        assert len(lengths) == 1, f"layers recorded different lengths {lengths}"
+        ids = torch.stack([torch.cat(chunks, dim=1) for chunks in self._ids], dim=2)
+        logits = None
+        if self.with_logits:
+            logits = torch.stack([torch.cat(chunks, dim=1) for chunks in self._logits], dim=2)
+        return RoutingTrace(ids, self.num_experts, logits)
+
+
+class _Replayer:
+    """Hands out, layer by layer, the next `T` time steps of a trace."""
+
+    def __init__(self, trace: RoutingTrace, num_layers: int, top_k: int) -> None:
+        B, T, L, K = trace.shape
+        if L != num_layers:
+            raise RoutingReplayError(f"replay trace has {L} layers but the model has {num_layers} MoE layers")
+        if K != top_k:
+            raise RoutingReplayError(
+                f"replay trace has k={K} experts per token but the model routes top-{top_k}"
+            )
+        self.trace = trace
+        self.cursor = [0] * num_layers
+
+    def next_ids(self, layer: int, B: int, T: int, device: torch.device) -> torch.Tensor:
+        tB, tT = self.trace.shape[:2]
+        start = self.cursor[layer]
+        if B != tB:
+            raise RoutingReplayError(
+                f"replay trace has batch {tB} but the forward has batch {B} (layer {layer})"
+            )
+        if start + T > tT:
+            left = tT - start
+            what = "nothing left to replay" if left == 0 else f"only {left} time steps left"
+            raise RoutingReplayError(
+                f"replay trace has length {tT}; the forward needs {T} more time steps at layer {layer} "
+                f"after {start} already replayed: {what}"
+            )
+        ids = self.trace.expert_ids_BTLK[:, start : start + T, layer].to(device=device, dtype=torch.long)
+        self.cursor[layer] = start + T
+        return ids.reshape(B * T, -1)
+
+    def check_consumed(self) -> None:
+        tT = self.trace.shape[1]
+        if any(c != tT for c in self.cursor):
+            raise RoutingReplayError(
+                f"replay trace has length {tT} but the forwards inside replay() used {min(self.cursor)}: "
+                "the trace does not match the forward's length"
+            )
+
+
+class RoutingController:
+    """Instruments every top-k router of `model` for recording and replay (see module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        routers = [m for m in model.modules() if _is_router(m)]
+        if not routers:
+            raise ValueError(f"{type(model).__name__} has no top-k MoE router modules to instrument")
+        self.routers = routers
+        self.num_layers = len(routers)
+        self.top_k = routers[0].top_k
+        self.num_experts = routers[0].num_experts
+        self._recorder: Recorder | None = None
+        self._replayer: _Replayer | None = None
+        self._shape: list[tuple[int, int] | None] = [None] * self.num_layers
+        # Ids each layer's latest (non-recompute) forward was routed by under replay, else None.
+        self._last_replayed: list[torch.Tensor | None] = [None] * self.num_layers
+        self._handles = []
+        layer_of = {id(r): i for i, r in enumerate(routers)}
+        for block in model.modules():
+            gate = getattr(block, "gate", None)
+            if gate is not None and id(gate) in layer_of:
+                self._handles.append(
+                    block.register_forward_pre_hook(
+                        self._make_shape_hook(layer_of[id(gate)]), with_kwargs=True
+                    )
+                )
+        if len(self._handles) != self.num_layers:
+            raise ValueError("could not find the MoE block that owns each router (expected `block.gate`)")
+        for i, router in enumerate(routers):
+            self._handles.append(router.register_forward_hook(self._make_router_hook(i)))
+
+    def remove(self) -> None:
+        """Remove every hook; the model is as it was."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _make_shape_hook(self, layer: int):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            self._shape[layer] = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
+
+        return hook
+
+    def _make_router_hook(self, layer: int):
+        def hook(module, args, output):
+            logits_NE, scores_NK, ids_NK = output
+            if _in_backward():  # a checkpointing recompute: route as the original forward did
+                ids_NK = self._last_replayed[layer]
+            else:
+                B, T = self._shape[layer]
+                if self._recorder is not None:
+                    self._recorder.add(layer, ids_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1))
+                ids_NK = (
+                    None if self._replayer is None else self._replayer.next_ids(layer, B, T, logits_NE.device)
+                )
+                self._last_replayed[layer] = ids_NK
+            if ids_NK is None:
+                return None
+            # Families take the softmax in float32; float64 models keep float64 (finite-difference tests).
+            probs_NE = torch.softmax(
+                logits_NE.to(torch.promote_types(logits_NE.dtype, torch.float32)), dim=-1
+            )
+            gates_NK = probs_NE.gather(-1, ids_NK)
+            if getattr(
+                module, "norm_topk_prob", True
+            ):  # Mixtral's router has no flag: it always renormalises
+                gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True)
+            return logits_NE, gates_NK.to(torch.promote_types(scores_NK.dtype, logits_NE.dtype)), ids_NK
+
+        return hook
+
+    @contextlib.contextmanager
+    def record(self, with_logits: bool = False) -> Iterator[Recorder]:
+        """Record the routers' own top-k ids (and logits) of every forward inside the block."""
+        if self._recorder is not None:
+            raise RuntimeError("record() is already open on this model")
+        self._recorder = Recorder(self.num_layers, self.num_experts, with_logits)
+        try:
+            yield self._recorder
+        finally:
+            self._recorder = None
+
+    @contextlib.contextmanager
+    def replay(self, trace: RoutingTrace) -> Iterator[None]:
+        """Route every forward inside the block by `trace`; the forwards must use all of it."""
+        if self._replayer is not None:
+            raise RuntimeError("replay() is already open on this model")
+        if trace is None:
+            raise RoutingReplayError("replay() needs a trace; got None")
+        self._replayer = _Replayer(trace, self.num_layers, self.top_k)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            replayer, self._replayer = self._replayer, None
+            if ok:
+                replayer.check_consumed()

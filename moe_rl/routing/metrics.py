@@ -1,0 +1,95 @@
+"""Routing metrics: pure functions of `RoutingTrace`s and a `[B, T]` bool token mask.
+
+| function | formula |
+|---|---|
+| `expert_change_by_layer(a, b, m)` | per layer l: mean over valid tokens of 1 - \\|A_tl ∩ B_tl\\| / K |
+| `expert_change_fraction(a, b, m)` | mean of the above over layers: the GSPO paper's "fraction of activated experts that differ" (§5.3) |
+| `token_change_fraction(a, b, m)` | fraction of valid tokens whose expert set differs in at least one layer |
+| `expert_load(t, m)` | per layer: tokens per expert, its coefficient of variation std/mean, max/mean, fraction of dead experts |
+| `router_entropy(t, m)` | per layer: mean over valid tokens of -Σ_e p_e log p_e, p = softmax(router logits) |
+
+Shape legend: B rows, T tokens, L layers, K top-k, E experts, N valid tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_rl.routing.trace import RoutingTrace
+
+
+def _valid(ids_BTLK: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """The valid tokens' ids as `[N, L, K]` long."""
+    if mask_BT.shape != ids_BTLK.shape[:2]:
+        raise ValueError(
+            f"mask shape {tuple(mask_BT.shape)} does not match trace [B, T] {tuple(ids_BTLK.shape[:2])}"
+        )
+    return ids_BTLK[mask_BT.to(ids_BTLK.device, torch.bool)].long()
+
+
+def _overlap_NL(a: RoutingTrace, b: RoutingTrace, mask_BT: torch.Tensor) -> torch.Tensor:
+    """|A ∩ B| per valid token and layer. Top-k ids of one token are distinct, so matches count the overlap."""
+    if a.shape != b.shape:
+        raise ValueError(f"traces differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+    a_NLK, b_NLK = (
+        _valid(a.expert_ids_BTLK, mask_BT),
+        _valid(b.expert_ids_BTLK, mask_BT).to(a.expert_ids_BTLK.device),
+    )
+    return (a_NLK.unsqueeze(-1) == b_NLK.unsqueeze(-2)).any(-1).sum(-1)
+
+
+@torch.no_grad()
+def expert_change_by_layer(a: RoutingTrace, b: RoutingTrace, mask_BT: torch.Tensor) -> torch.Tensor:
+    """`[L]` float: per layer, mean over valid tokens of 1 - |A ∩ B| / K. Zeros when no token is valid."""
+    overlap_NL = _overlap_NL(a, b, mask_BT)
+    if overlap_NL.shape[0] == 0:
+        return torch.zeros(a.shape[2])
+    return (1.0 - overlap_NL.float() / a.shape[3]).mean(0).cpu()
+
+
+@torch.no_grad()
+def expert_change_fraction(a: RoutingTrace, b: RoutingTrace, mask_BT: torch.Tensor) -> float:
+    """Mean over valid tokens and layers of 1 - |A ∩ B| / K (GSPO paper §5.3)."""
+    return float(expert_change_by_layer(a, b, mask_BT).mean())
+
+
+@torch.no_grad()
+def token_change_fraction(a: RoutingTrace, b: RoutingTrace, mask_BT: torch.Tensor) -> float:
+    """Fraction of valid tokens whose expert set differs from `b`'s in at least one layer."""
+    overlap_NL = _overlap_NL(a, b, mask_BT)
+    if overlap_NL.shape[0] == 0:
+        return 0.0
+    return float((overlap_NL < a.shape[3]).any(-1).float().mean())
+
+
+@torch.no_grad()
+def expert_load(trace: RoutingTrace, mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-layer load: `tokens_per_expert` `[L, E]`, and `[L]` vectors `cv`, `max_over_mean`, `dead_frac`."""
+    ids_NLK = _valid(trace.expert_ids_BTLK, mask_BT)
+    N, L, K = ids_NLK.shape
+    counts_LE = torch.zeros(L, trace.num_experts, dtype=torch.float64, device=ids_NLK.device)
+    counts_LE.scatter_add_(
+        1,
+        ids_NLK.permute(1, 0, 2).reshape(L, N * K),
+        torch.ones(L, N * K, dtype=torch.float64, device=ids_NLK.device),
+    )
+    mean_L = counts_LE.mean(1)
+    safe_L = mean_L.clamp_min(1e-12)
+    return {
+        "tokens_per_expert": counts_LE.cpu(),
+        "cv": (counts_LE.std(1, unbiased=False) / safe_L).cpu(),
+        "max_over_mean": (counts_LE.max(1).values / safe_L).cpu(),
+        "dead_frac": (counts_LE == 0).double().mean(1).cpu(),
+    }
+
+
+@torch.no_grad()
+def router_entropy(trace: RoutingTrace, mask_BT: torch.Tensor) -> torch.Tensor:
+    """`[L]`: mean router entropy (nats) over valid tokens; needs a trace recorded with logits."""
+    if trace.router_logits_BTLE is None:
+        raise ValueError("router_entropy needs a trace recorded with logits: record(with_logits=True)")
+    logits_NLE = trace.router_logits_BTLE[mask_BT.to(trace.router_logits_BTLE.device, torch.bool)].float()
+    if logits_NLE.shape[0] == 0:
+        return torch.zeros(trace.shape[2])
+    logp_NLE = torch.log_softmax(logits_NLE, dim=-1)
+    return (-(logp_NLE.exp() * logp_NLE).sum(-1)).mean(0).cpu()
