@@ -1,0 +1,201 @@
+"""Pieces shared by the objectives: input checks, loss aggregation, the k3 KL, diagnostics, advantages.
+
+Shape legend: B = sequences in the batch, T = padded token positions, N = groups, G = group size (B = N·G).
+`mask_BT` is True at valid response tokens; "B'" below is the number of sequences with at least one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_BOUND = 20.0
+"""Log-ratios are clamped to [-20, 20] before exp, so ratios lie in [2.1e-9, 4.9e8] and stay finite in
+float32, squares included. Beyond the bound the clamp passes no gradient: a token (GRPO) or a sequence
+(GSPO) whose log-likelihood moved by more than 20 nats is far outside any trust region and is dropped."""
+
+SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+DEFAULT_EXTREME_BAND = (0.5, 2.0)
+
+Aggregate = Callable[[Tensor, Tensor], Tensor]
+
+
+def prepare(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Check shapes, cast to float32 at least (float64 stays float64) and zero every padded entry.
+
+    Zeroing with `torch.where` keeps NaN/inf padding out of both the values and the gradients.
+    """
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {mask.dtype}; pass mask.bool()")
+    if mask.dim() != 2 or logp.shape != mask.shape or old_logp.shape != mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+                         f"{tuple(mask.shape)} must share one [B, T] shape")
+    if advantages.shape not in (mask.shape[:1], mask.shape):
+        raise ValueError(f"advantages must be [B] or [B, T] with [B, T] = {list(mask.shape)}, "
+                         f"got {list(advantages.shape)}")
+    if ref_logp is not None and ref_logp.shape != mask.shape:
+        raise ValueError(f"ref_logp must be [B, T] = {list(mask.shape)}, got {list(ref_logp.shape)}")
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+
+    def clean(x: Tensor) -> Tensor:
+        return torch.where(mask, x.to(dtype), 0.0)
+
+    adv = advantages.to(dtype) if advantages.dim() == 1 else clean(advantages)
+    return clean(logp), clean(old_logp), adv, mask, None if ref_logp is None else clean(ref_logp)
+
+
+def check_options(
+    clip_low: float, clip_high: float, beta: float, ref_logp: Tensor | None, extreme_band: tuple[float, float]
+) -> None:
+    """Raise ValueError on options that cannot mean what the caller intends."""
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low=}, {clip_high=}")
+    if beta < 0.0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0.0 and ref_logp is None:
+        raise ValueError(f"beta={beta} > 0 needs ref_logp, the reference policy's [B, T] log-probs")
+    if not 0.0 <= extreme_band[0] < extreme_band[1]:
+        raise ValueError(f"extreme_band must be (lo, hi) with 0 <= lo < hi, got {extreme_band}")
+
+
+def seq_mean(x_B: Tensor, mask_BT: Tensor) -> Tensor:
+    """Mean of per-sequence values over the B' non-empty sequences; 0 when there are none."""
+    nonempty_B = mask_BT.any(-1)
+    return torch.where(nonempty_B, x_B, 0.0).sum() / nonempty_B.sum().clamp(min=1)
+
+
+def seq_mean_token_mean(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """1/B' Σ_i 1/|y_i| Σ_t x_it (the GRPO and GSPO papers' aggregation)."""
+    return seq_mean(x_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1), mask_BT)
+
+
+def token_mean(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Σ_i Σ_t x_it / Σ_i |y_i| (DAPO)."""
+    return x_BT.sum() / mask_BT.sum().clamp(min=1)
+
+
+def seq_mean_token_sum_norm(x_BT: Tensor, mask_BT: Tensor, *, max_len: int) -> Tensor:
+    """1/B' Σ_i Σ_t x_it / max_len (Dr. GRPO: a constant in place of 1/|y_i|)."""
+    return seq_mean(x_BT.sum(-1) / max_len, mask_BT)
+
+
+AGGREGATIONS = {
+    SEQ_MEAN_TOKEN_MEAN: seq_mean_token_mean,
+    "token-mean": token_mean,
+    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+}
+
+
+def aggregation(loss_agg: str, max_len: int | None) -> Aggregate:
+    """Look up `loss_agg` (x_BT must be zero at padding); max_len is read only by seq-mean-token-sum-norm."""
+    if loss_agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {sorted(AGGREGATIONS)}")
+    if loss_agg != "seq-mean-token-sum-norm":
+        return AGGREGATIONS[loss_agg]
+    if max_len is None or max_len <= 0:
+        raise ValueError(f"loss_agg='seq-mean-token-sum-norm' needs a positive max_len, got {max_len}")
+    return functools.partial(seq_mean_token_sum_norm, max_len=max_len)
+
+
+def seq_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """log s_i = clamp(1/|y_i| Σ_t (logp_it − old_logp_it), ±LOG_RATIO_BOUND), shape [B]; 0 if empty.
+
+    Inputs must be zero at padding (as `prepare` leaves them)."""
+    mean_B = (logp_BT - old_logp_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+    return mean_B.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """−min(ρ·A, clip(ρ, 1 − clip_low, 1 + clip_high)·A), elementwise (PPO's pessimistic bound)."""
+    return -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+
+
+def k3(logp_BT: Tensor, other_logp_BT: Tensor) -> Tensor:
+    """k3 KL estimator exp(δ) − δ − 1 with δ = clamp(other − logp, ±LOG_RATIO_BOUND); ≥ 0, ≈ δ²/2."""
+    delta_BT = (other_logp_BT - logp_BT).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.exp(delta_BT) - delta_BT - 1.0
+
+
+def kl_penalty(
+    logp_BT: Tensor, ref_logp_BT: Tensor | None, mask_BT: Tensor, beta: float, aggregate: Aggregate
+) -> tuple[Tensor, dict[str, float]]:
+    """beta · agg(k3(logp, ref_logp)) and its `policy/ref_kl` metric; nothing at all when beta == 0."""
+    if beta == 0.0 or ref_logp_BT is None:
+        return logp_BT.new_zeros(()), {}
+    kl = aggregate(torch.where(mask_BT, k3(logp_BT, ref_logp_BT), 0.0), mask_BT)
+    return beta * kl, {"policy/ref_kl": kl.item()}
+
+
+def _floats(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """0-d tensors to Python floats with one device sync. An empty mean is NaN, never a placeholder 0."""
+    return dict(zip(metrics, torch.stack([v.double() for v in metrics.values()]).tolist(), strict=True))
+
+
+@torch.no_grad()
+def clip_metrics(
+    ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, clip_low: float, clip_high: float
+) -> dict[str, float]:
+    """Fractions of valid tokens (and of non-empty sequences) whose clip is active, i.e. zero gradient."""
+    low_BT = mask_BT & (adv_BT < 0) & (ratio_BT < 1.0 - clip_low)
+    high_BT = mask_BT & (adv_BT > 0) & (ratio_BT > 1.0 + clip_high)
+    clipped_BT = low_BT | high_BT
+    return _floats({
+        "clip/token_frac": clipped_BT[mask_BT].double().mean(),
+        "clip/low_frac": low_BT[mask_BT].double().mean(),
+        "clip/high_frac": high_BT[mask_BT].double().mean(),
+        "clip/seq_frac": clipped_BT.any(-1)[mask_BT.any(-1)].double().mean(),
+    })
+
+
+@torch.no_grad()
+def ratio_metrics(
+    logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor, extreme_band: tuple[float, float]
+) -> dict[str, float]:
+    """Token and sequence importance-ratio statistics and the policy's drift, in float64 (see __init__)."""
+    logp_BT, old_logp_BT = logp_BT.double(), old_logp_BT.double()
+    diff_BT = logp_BT - old_logp_BT
+    ratio_BT = diff_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    len_B = mask_BT.sum(-1)
+    ratio_N = ratio_BT[mask_BT]
+    seq_ratio_mean_B = torch.where(mask_BT, ratio_BT, 0.0).sum(-1) / len_B.clamp(min=1)
+    within_var_B = torch.where(mask_BT, ratio_BT - seq_ratio_mean_B[:, None], 0.0).square().sum(-1)
+    within_var_B = within_var_B / len_B.clamp(min=1)
+    s_B = seq_log_ratio(logp_BT, old_logp_BT, mask_BT).exp()[len_B > 0]
+    nan = ratio_N.new_tensor(float("nan"))
+    extreme_N = (ratio_N < extreme_band[0]) | (ratio_N > extreme_band[1])
+    return _floats({
+        "ratio/token/mean": ratio_N.mean(),
+        "ratio/token/var": (ratio_N - ratio_N.mean()).square().mean(),
+        "ratio/token/within_seq_var": within_var_B[len_B >= 2].mean(),
+        "ratio/token/max": ratio_N.max() if ratio_N.numel() else nan,
+        "ratio/token/min": ratio_N.min() if ratio_N.numel() else nan,
+        "ratio/token/extreme_frac": extreme_N.double().mean(),
+        "ratio/seq/mean": s_B.mean(),
+        "ratio/seq/var": (s_B - s_B.mean()).square().mean(),
+        "policy/approx_kl": k3(logp_BT, old_logp_BT)[mask_BT].mean(),
+        "policy/logp_diff/abs_mean": diff_BT.abs()[mask_BT].mean(),
+    })
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Group-relative advantages Â_i = (r_i − mean_G r) / (std_G r + eps) (GSPO paper Eq. 6), shape [B].
+
+    `rewards` is [B] with consecutive groups of `group_size` responses to one prompt. std is the unbiased
+    (Bessel-corrected) sample std, as torch.std and TRL/verl use. normalize_std=False skips the division
+    (Dr. GRPO). A group whose rewards are all equal gets advantage 0. Computed in float32 at least.
+    """
+    if group_size < 2 or rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be [B] with B divisible by group_size >= 2, got "
+                         f"shape {list(rewards.shape)} and group_size={group_size}")
+    r_NG = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).reshape(-1, group_size)
+    adv_NG = r_NG - r_NG.mean(-1, keepdim=True)
+    if normalize_std:
+        adv_NG = adv_NG / (r_NG.std(-1, keepdim=True) + eps)
+    return adv_NG.reshape(-1)

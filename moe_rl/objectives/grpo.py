@@ -1,0 +1,83 @@
+"""GRPO: a clipped importance ratio per token (GSPO paper, arXiv 2507.18071, Eq. 2-3).
+
+Shape legend: B = sequences, T = padded token positions. `mask_BT` is True at valid response tokens.
+DAPO is this objective with clip_high > clip_low and loss_agg="token-mean"; Dr. GRPO is
+loss_agg="seq-mean-token-sum-norm" with `group_advantages(..., normalize_std=False)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe_rl.objectives.common import (
+    DEFAULT_EXTREME_BAND,
+    LOG_RATIO_BOUND,
+    SEQ_MEAN_TOKEN_MEAN,
+    aggregation,
+    check_options,
+    clip_metrics,
+    clipped_surrogate,
+    kl_penalty,
+    prepare,
+    ratio_metrics,
+)
+
+
+def grpo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    loss_agg: str = SEQ_MEAN_TOKEN_MEAN,
+    max_len: int | None = None,
+    beta: float = 0.0,
+    ref_logp: Tensor | None = None,
+    extreme_band: tuple[float, float] = DEFAULT_EXTREME_BAND,
+) -> tuple[Tensor, dict[str, float]]:
+    """GRPO loss with the token-level importance ratio w_it.
+
+        w_it = exp(clamp(logp_it − old_logp_it, ±LOG_RATIO_BOUND))                     (Eq. 3)
+        ℓ_it = −min(w_it Â_it, clip(w_it, 1 − clip_low, 1 + clip_high) Â_it)          (Eq. 2)
+        loss = agg(ℓ) + beta · agg(exp(ref_logp − logp) − (ref_logp − logp) − 1)
+
+    `loss_agg` picks agg (B' = sequences with at least one valid token; empty ones count as nothing):
+        seq-mean-token-mean      1/B' Σ_i 1/|y_i| Σ_t ℓ_it     the paper's Eq. 2 (default)
+        token-mean               Σ_i Σ_t ℓ_it / Σ_i |y_i|        DAPO
+        seq-mean-token-sum-norm  1/B' Σ_i Σ_t ℓ_it / max_len     Dr. GRPO
+
+    Args:
+        logp: [B, T] log π_θ of the sampled tokens; the gradient flows through it.
+        old_logp: [B, T] log π_old of the same tokens, from the sampling policy.
+        advantages: [B] per sequence (Â_i, shared by its tokens) or [B, T] per token (Â_it).
+        mask: [B, T] bool, True at valid tokens; padded entries may hold anything, even NaN.
+        clip_low, clip_high: the clip range [1 − clip_low, 1 + clip_high] of w_it.
+        loss_agg: one of the three modes above. max_len: the constant of seq-mean-token-sum-norm,
+            required by that mode and unused by the others.
+        beta: coefficient of the k3 KL penalty to the reference policy (0 = none, as in the paper).
+        ref_logp: [B, T] log π_ref; required when beta > 0, unused when beta == 0.
+        extreme_band: `ratio/token/extreme_frac` counts token ratios outside this interval.
+
+    Returns:
+        (loss, metrics): a scalar to minimise, in float32 (float64 if logp is float64), and the
+        diagnostics documented in `moe_rl.objectives`. A token counts as clipped when its w_it is.
+    """
+    check_options(clip_low, clip_high, beta, ref_logp, extreme_band)
+    aggregate = aggregation(loss_agg, max_len)
+    logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT = prepare(logp, old_logp, advantages, mask, ref_logp)
+    adv_BT = adv if adv.dim() == 2 else torch.where(mask_BT, adv[:, None], 0.0)
+
+    w_BT = torch.exp((logp_BT - old_logp_BT).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    loss_BT = torch.where(mask_BT, clipped_surrogate(w_BT, adv_BT, clip_low, clip_high), 0.0)
+    kl, kl_metrics = kl_penalty(logp_BT, ref_logp_BT, mask_BT, beta, aggregate)
+    loss = aggregate(loss_BT, mask_BT) + kl
+
+    metrics = {
+        **clip_metrics(w_BT, adv_BT, mask_BT, clip_low, clip_high),
+        **ratio_metrics(logp_BT, old_logp_BT, mask_BT, extreme_band),
+        **kl_metrics,
+    }
+    return loss, metrics

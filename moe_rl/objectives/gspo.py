@@ -1,0 +1,139 @@
+"""GSPO and GSPO-token: one clipped importance ratio per sequence (arXiv 2507.18071, Eq. 5-7 and 13-14).
+
+Shape legend: B = sequences, T = padded token positions. `mask_BT` is True at valid response tokens.
+Both take the same keywords as `grpo`; the paper aggregates only as seq-mean-token-mean, so any other
+`loss_agg` raises rather than being ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe_rl.objectives.common import (
+    DEFAULT_EXTREME_BAND,
+    SEQ_MEAN_TOKEN_MEAN,
+    check_options,
+    clip_metrics,
+    clipped_surrogate,
+    kl_penalty,
+    prepare,
+    ratio_metrics,
+    seq_log_ratio,
+    seq_mean,
+    seq_mean_token_mean,
+)
+
+
+def _check_loss_agg(name: str, loss_agg: str) -> None:
+    if loss_agg != SEQ_MEAN_TOKEN_MEAN:
+        raise ValueError(f"{name} is defined with loss_agg={SEQ_MEAN_TOKEN_MEAN!r} only, got {loss_agg!r}")
+
+
+def gspo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    loss_agg: str = SEQ_MEAN_TOKEN_MEAN,
+    max_len: int | None = None,
+    beta: float = 0.0,
+    ref_logp: Tensor | None = None,
+    extreme_band: tuple[float, float] = DEFAULT_EXTREME_BAND,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO loss with the sequence-level importance ratio s_i.
+
+        s_i = exp(clamp(1/|y_i| Σ_t (logp_it − old_logp_it), ±LOG_RATIO_BOUND))    (Eq. 7)
+        ℓ_i = −min(s_i Â_i, clip(s_i, 1 − clip_low, 1 + clip_high) Â_i)              (Eq. 5)
+        loss = 1/B' Σ_i ℓ_i + beta · seq-mean-token-mean(exp(ref_logp − logp) − (ref_logp − logp) − 1)
+
+    B' counts sequences with at least one valid token; empty ones count as nothing. The mean log-ratio is
+    computed in float32 at least and clamped before exp (see LOG_RATIO_BOUND): clipping removes whole
+    sequences, and every token of a clipped sequence counts in `clip/token_frac` (the paper's Fig. 2).
+
+    Args:
+        logp, old_logp: [B, T] log π_θ (carries the gradient) and log π_old of the sampled tokens.
+        advantages: [B], one Â_i per sequence; [B, T] raises ValueError (use gspo_token).
+        mask: [B, T] bool, True at valid tokens; padded entries may hold anything, even NaN.
+        clip_low, clip_high: the clip range [1 − clip_low, 1 + clip_high] of s_i (paper: 3e-4, 4e-4).
+        loss_agg: must be "seq-mean-token-mean". max_len: unused (accepted for a shared signature).
+        beta, ref_logp: k3 KL penalty to π_ref ([B, T]), required when beta > 0; 0 in the paper.
+        extreme_band: `ratio/token/extreme_frac` counts token ratios outside this interval.
+
+    Returns:
+        (loss, metrics): a scalar to minimise and the diagnostics documented in `moe_rl.objectives`.
+    """
+    check_options(clip_low, clip_high, beta, ref_logp, extreme_band)
+    _check_loss_agg("gspo", loss_agg)
+    if advantages.dim() != 1:
+        raise ValueError(f"gspo needs per-sequence advantages [B], got {list(advantages.shape)}; "
+                         "use gspo_token for per-token advantages")
+    logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT = prepare(logp, old_logp, advantages, mask, ref_logp)
+
+    s_B = torch.exp(seq_log_ratio(logp_BT, old_logp_BT, mask_BT))
+    loss_B = clipped_surrogate(s_B, adv_B, clip_low, clip_high)
+    kl, kl_metrics = kl_penalty(logp_BT, ref_logp_BT, mask_BT, beta, seq_mean_token_mean)
+    loss = seq_mean(loss_B, mask_BT) + kl
+
+    s_BT, adv_BT = s_B[:, None].expand_as(logp_BT), adv_B[:, None].expand_as(logp_BT)
+    metrics = {
+        **clip_metrics(s_BT, adv_BT, mask_BT, clip_low, clip_high),
+        **ratio_metrics(logp_BT, old_logp_BT, mask_BT, extreme_band),
+        **kl_metrics,
+    }
+    return loss, metrics
+
+
+def gspo_token(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    loss_agg: str = SEQ_MEAN_TOKEN_MEAN,
+    max_len: int | None = None,
+    beta: float = 0.0,
+    ref_logp: Tensor | None = None,
+    extreme_band: tuple[float, float] = DEFAULT_EXTREME_BAND,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO-token loss: GRPO's shape with the ratio s_it, for per-token advantages (multi-turn RL).
+
+        s_it = sg[s_i] · exp(logp_it − sg[logp_it])          (Eq. 14; sg = detach, s_i as in gspo)
+        ℓ_it = −min(s_it Â_it, clip(s_it, 1 − clip_low, 1 + clip_high) Â_it)         (Eq. 13)
+        loss = seq-mean-token-mean(ℓ) + beta · seq-mean-token-mean(k3 to ref_logp)
+
+    Numerically s_it = s_i, and ∇s_it = s_i ∇logp_it, so with Â_it = Â_i the loss equals gspo's in value,
+    clipping and gradient. One exception: where |mean log-ratio| exceeds LOG_RATIO_BOUND, gspo's clamp
+    passes no gradient while here the token term still does (scaled by the clamped s_i).
+
+    Args:
+        logp, old_logp, mask, clip_low, clip_high, beta, ref_logp, extreme_band: as in `gspo`.
+        advantages: [B] per sequence (broadcast over its tokens) or [B, T] per token.
+        loss_agg: must be "seq-mean-token-mean". max_len: unused (accepted for a shared signature).
+
+    Returns:
+        (loss, metrics): a scalar to minimise and the diagnostics documented in `moe_rl.objectives`;
+        a token counts as clipped when its (s_it, Â_it) pair is.
+    """
+    check_options(clip_low, clip_high, beta, ref_logp, extreme_band)
+    _check_loss_agg("gspo_token", loss_agg)
+    logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT = prepare(logp, old_logp, advantages, mask, ref_logp)
+    adv_BT = adv if adv.dim() == 2 else torch.where(mask_BT, adv[:, None], 0.0)
+
+    s_B = torch.exp(seq_log_ratio(logp_BT, old_logp_BT, mask_BT)).detach()
+    s_BT = s_B[:, None] * torch.exp(logp_BT - logp_BT.detach())
+    loss_BT = torch.where(mask_BT, clipped_surrogate(s_BT, adv_BT, clip_low, clip_high), 0.0)
+    kl, kl_metrics = kl_penalty(logp_BT, ref_logp_BT, mask_BT, beta, seq_mean_token_mean)
+    loss = seq_mean_token_mean(loss_BT, mask_BT) + kl
+
+    metrics = {
+        **clip_metrics(s_BT, adv_BT, mask_BT, clip_low, clip_high),
+        **ratio_metrics(logp_BT, old_logp_BT, mask_BT, extreme_band),
+        **kl_metrics,
+    }
+    return loss, metrics
