@@ -1,0 +1,13 @@
+"""Rollouts: batched KV-cache sampling that records routing, and full-forward response log-probs."""
+
+from moe_rl.rollout.forward import position_ids_from_mask, response_logprobs, token_logprobs
+from moe_rl.rollout.sampler import Rollout, SamplerConfig, sample
+
+__all__ = [
+    "Rollout",
+    "SamplerConfig",
+    "position_ids_from_mask",
+    "response_logprobs",
+    "sample",
+    "token_logprobs",
+]

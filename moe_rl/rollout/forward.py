@@ -1,0 +1,49 @@
+"""The policy's log-probabilities of response tokens: one full forward, shared by sampler checks and trainer.
+
+Shape legend: B rows, P prompt length (left-padded), R response length (right-padded), S = P + R,
+V vocabulary. A forward sees `input_ids[:, :-1]` (S - 1 positions): the last token is never an input,
+so a routing trace of a sequence covers S - 1 positions, exactly what the sampler feeds.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+
+def position_ids_from_mask(mask_BS: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: 0 at each row's first real token (pads get 0 too)."""
+    return (mask_BS.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def token_logprobs(logits_BRV: torch.Tensor, tokens_BR: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] in float32, without materialising a float64 vocabulary tensor."""
+    logits = logits_BRV.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, tokens_BR.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def response_logprobs(
+    model: PreTrainedModel,
+    input_ids_BS: torch.Tensor,
+    attention_mask_BS: torch.Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """`[B, R]` float32 log-probs of the last `response_len` tokens of each row under `model`.
+
+    One forward over `input_ids[:, :-1]`; only the R positions that predict response tokens reach the
+    LM head (`logits_to_keep`). Open a routing `record()` or `replay()` around the call to capture or
+    fix its routing: the trace it sees is `[B, S - 1, L, K]`.
+    """
+    inputs_BS = input_ids_BS[:, :-1]
+    mask_BS = attention_mask_BS[:, :-1]
+    out = model(
+        input_ids=inputs_BS,
+        attention_mask=mask_BS,
+        position_ids=position_ids_from_mask(mask_BS),
+        use_cache=False,
+        logits_to_keep=response_len,
+    )
+    return token_logprobs(out.logits, input_ids_BS[:, -response_len:], temperature)
