@@ -1,0 +1,455 @@
+"""Supervised warm start: teacher-force task demonstrations until the policy sometimes succeeds.
+
+RL from a random policy gets no signal: every group scores 0, so every GRPO/GSPO advantage is 0.
+`warm_start` trains the config-built model on `task.solve` demonstrations (cross-entropy on response
+tokens only, EOS included) and stops as soon as held-out accuracy, measured by *sampling* at the RL
+temperature, lies in the band [target_low, target_high]: the policy then succeeds on some prompts and
+fails on others, which is where group-relative advantages are informative.
+
+Overshoot (accuracy jumps from below the band to above it between two evaluations). The model and
+optimizer state of the last evaluation below the band is kept as a snapshot. On an overshoot the
+training rolls back to that snapshot, halves the learning rate and evaluates after every step from then
+on; each further overshoot rolls back again and halves again. Every optimizer step, discarded or not,
+counts against `max_steps`, so the search is bounded. When the budget runs out without landing in the
+band: if some evaluation overshot, the overshot model closest to the band is returned with a warning (a
+too-easy policy still leaves RL some signal while accuracy < 1); if accuracy never exceeded target_low,
+`RuntimeError` (RL would start without signal).
+
+Caching: the result is saved under `<cache_dir>/<task>-<key[:16]>/` (model and tokenizer via
+`save_pretrained`, plus `warmstart.json`), where `key` is the sha256 of everything that determines the
+weights. Concurrent callers (Hydra sweep jobs) serialise on an exclusive `flock` of `<dir>.lock`; the
+builder writes into a temporary directory and renames it into place, so the final name only ever holds a
+complete result, and a caller that waited on the lock loads it.
+
+Seeds: `seed` (the run seed) seeds torch's RNG, the stream of training demonstrations and the eval
+sampler's generator; `WarmStartConfig.seed` picks the held-out eval examples. Model weights start from
+`model_cfg` as given (its own `seed` field).
+
+Shape legend: B rows, S sequence length (prompt + response + EOS, right-padded), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from moe_rl.models import ModelConfig, build_model, build_tokenizer
+from moe_rl.rollout import SamplerConfig, position_ids_from_mask, sample
+from moe_rl.tasks import Example, Task, make_task, split_seed
+
+FORMAT_VERSION = 1
+"""Bump when the training procedure changes so old cache entries stop matching."""
+
+LR_BACKOFF = 0.5
+"""Learning-rate factor applied at each rollback after an overshoot."""
+
+META_FILE = "warmstart.json"
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start before RL (see the module docstring for the stopping rule)."""
+
+    enabled: bool = True
+    """Run the warm start before RL; when false RL starts from the config-built model."""
+    target_low: float = 0.2
+    """Lower edge of the held-out accuracy band: below it RL groups are mostly all-zero."""
+    target_high: float = 0.6
+    """Upper edge of the band: above it the task is mostly solved and RL has little left to learn."""
+    max_steps: int = 2000
+    """Most optimizer steps, including steps discarded by a rollback after an overshoot."""
+    batch_size: int = 64
+    """Demonstrations per optimizer step."""
+    lr: float = 3e-3
+    """AdamW learning rate (halved at each rollback)."""
+    eval_every: int = 25
+    """Optimizer steps between held-out evaluations (1 after the first overshoot)."""
+    eval_size: int = 128
+    """Held-out eval-split examples per evaluation, sampled in one batch."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of the accuracy check; 0 means greedy. Default 1.0, the RL temperature,
+    because what RL needs is the success rate of its *samples*: greedy accuracy can be far higher."""
+    cache_dir: str = "~/.cache/moe-rl/warmstart"
+    """Where finished warm starts are kept (not part of the cache key)."""
+    seed: int = 0
+    """Seed of the held-out eval examples, fixed across run seeds so every run is judged on one set."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        if not 0 <= self.target_low < self.target_high <= 1:
+            raise ValueError(
+                f"warmstart.target_low={self.target_low}, warmstart.target_high={self.target_high}: "
+                "need 0 <= target_low < target_high <= 1"
+            )
+        for name in ("max_steps", "batch_size", "eval_every", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"warmstart.{name}={getattr(self, name)}: must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"warmstart.lr={self.lr}: must be > 0")
+        if self.eval_temperature < 0:
+            raise ValueError(f"warmstart.eval_temperature={self.eval_temperature}: must be >= 0 (0 = greedy)")
+        if not self.cache_dir:
+            raise ValueError("warmstart.cache_dir is empty: give a directory for finished warm starts")
+        if self.seed < 0:
+            raise ValueError(f"warmstart.seed={self.seed}: must be >= 0")
+
+
+@dataclass
+class WarmStartResult:
+    """A finished warm start.
+
+    path: directory loadable by `build_model(ModelConfig(pretrained=path))` and `AutoTokenizer.from_pretrained`.
+    accuracy: held-out accuracy of the saved model (eval split, `eval_size` examples, eval temperature).
+    steps: optimizer steps in the saved model's history (rolled-back steps excluded).
+    cached: True when the result was loaded from the cache rather than trained by this call.
+    seconds: wall time of this call, lock wait included.
+    """
+
+    path: str
+    accuracy: float
+    steps: int
+    cached: bool
+    seconds: float
+
+
+def cache_key(
+    model_cfg: ModelConfig,
+    task_name: str,
+    difficulty: int,
+    ws_cfg: WarmStartConfig,
+    seed: int,
+    max_new_tokens: int,
+) -> str:
+    """sha256 hex digest of a canonical JSON of everything that determines the warm-started weights."""
+    ws = asdict(ws_cfg)
+    del ws["cache_dir"]
+    payload = dict(
+        format=FORMAT_VERSION,
+        model=asdict(model_cfg),
+        task=task_name,
+        difficulty=difficulty,
+        warmstart=ws,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+    )
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def demonstration_batch(
+    tokenizer: PreTrainedTokenizerBase, task: Task, examples: list[Example]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded `(input_ids_BS, attention_mask_BS, labels_BS)` of prompt + solve(example) + EOS.
+
+    labels are the input ids on response tokens (EOS included) and -100 on prompt and padding, so the
+    loss is on what the policy must generate, never on the prompt it is given.
+    """
+    rows, n_prompt = [], []
+    for ex in examples:
+        prompt_ids = tokenizer(ex.prompt)["input_ids"]
+        response_ids = tokenizer(task.solve(ex), add_special_tokens=False)["input_ids"]
+        rows.append(prompt_ids + response_ids + [tokenizer.eos_token_id])
+        n_prompt.append(len(prompt_ids))
+    S = max(len(r) for r in rows)
+    input_ids_BS = torch.full((len(rows), S), tokenizer.pad_token_id, dtype=torch.long)
+    mask_BS = torch.zeros(len(rows), S, dtype=torch.long)
+    labels_BS = torch.full((len(rows), S), -100, dtype=torch.long)
+    for i, (row, p) in enumerate(zip(rows, n_prompt, strict=True)):
+        input_ids_BS[i, : len(row)] = torch.tensor(row)
+        mask_BS[i, : len(row)] = 1
+        labels_BS[i, p : len(row)] = input_ids_BS[i, p : len(row)]
+    return input_ids_BS, mask_BS, labels_BS
+
+
+def demonstration_loss(
+    model: PreTrainedModel, input_ids_BS: torch.Tensor, mask_BS: torch.Tensor, labels_BS: torch.Tensor
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over response tokens of the whole batch (token-level mean)."""
+    out = model(
+        input_ids=input_ids_BS[:, :-1],
+        attention_mask=mask_BS[:, :-1],
+        position_ids=position_ids_from_mask(mask_BS[:, :-1]),
+        use_cache=False,
+    )
+    logits_BSV = out.logits.float()
+    return torch.nn.functional.cross_entropy(
+        logits_BSV.flatten(0, 1), labels_BS[:, 1:].flatten(), ignore_index=-100
+    )
+
+
+@torch.no_grad()
+def heldout_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: list[Example],
+    sampler_cfg: SamplerConfig,
+    generator_seed: int,
+) -> float:
+    """Mean reward of one sampled response per example, in one batch, from a freshly seeded generator.
+
+    Reseeding at every call uses the same random numbers for every checkpoint, so accuracy changes
+    between evaluations reflect the weights rather than sampling noise.
+    """
+    was_training = model.training
+    model.eval()
+    rollout = sample(
+        model,
+        tokenizer,
+        [ex.prompt for ex in examples],
+        sampler_cfg,
+        generator=torch.Generator(device=next(model.parameters()).device).manual_seed(generator_seed),
+    )
+    model.train(was_training)
+    return sum(task.reward(ex, text) for ex, text in zip(examples, rollout.texts, strict=True)) / len(
+        examples
+    )
+
+
+@dataclass
+class _Snapshot:
+    """Model and optimizer state at one evaluation, to roll back to or to return."""
+
+    accuracy: float
+    steps: int
+    model_state: dict[str, torch.Tensor]
+    optim_state: dict[str, Any]
+
+
+def _snapshot(model: PreTrainedModel, optim: torch.optim.Optimizer, accuracy: float, steps: int) -> _Snapshot:
+    model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _Snapshot(accuracy, steps, model_state, copy.deepcopy(optim.state_dict()))
+
+
+def _restore(model: PreTrainedModel, optim: torch.optim.Optimizer, snap: _Snapshot, lr: float) -> None:
+    model.load_state_dict(snap.model_state)
+    optim.load_state_dict(copy.deepcopy(snap.optim_state))
+    for group in optim.param_groups:
+        group["lr"] = lr
+
+
+def _postfix(steps: int, loss: float, accuracy: float, lr: float) -> dict[str, str]:
+    """Progress-bar fields: steps of the current weights, last training loss, last held-out accuracy, lr."""
+    return dict(step=str(steps), loss=f"{loss:.3f}", acc=f"{accuracy:.3f}", lr=f"{lr:.1e}")
+
+
+def _train(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    ws_cfg: WarmStartConfig,
+    seed: int,
+    max_new_tokens: int,
+    progress: bool,
+) -> tuple[float, int, dict[str, Any]]:
+    """Train `model` in place until held-out accuracy is in the band; return (accuracy, steps, stats)."""
+    low, high = ws_cfg.target_low, ws_cfg.target_high
+    train_rng = random.Random(split_seed("train", seed))  # one fresh stream, never replayed after a rollback
+    eval_examples = task.examples("eval", ws_cfg.eval_size, ws_cfg.seed)
+    sampler_cfg = SamplerConfig(temperature=ws_cfg.eval_temperature, max_new_tokens=max_new_tokens)
+    device = next(model.parameters()).device
+    optim = torch.optim.AdamW(model.parameters(), lr=ws_cfg.lr)
+    lr, eval_every, steps, steps_total, rollbacks, loss = ws_cfg.lr, ws_cfg.eval_every, 0, 0, 0, float("nan")
+    below: _Snapshot | None = None  # last evaluation below the band
+    above: _Snapshot | None = None  # overshoot closest to the band, returned only if the budget runs out
+    history: list[dict[str, float]] = []
+    with tqdm(total=ws_cfg.max_steps, desc=f"warm start {task.name}", disable=not progress) as bar:
+        while True:
+            accuracy = heldout_accuracy(model, tokenizer, task, eval_examples, sampler_cfg, seed)
+            history.append(dict(step=steps, steps_total=steps_total, accuracy=accuracy, lr=lr, loss=loss))
+            bar.set_postfix(_postfix(steps, loss, accuracy, lr))
+            if low <= accuracy <= high:
+                break
+            if accuracy < low:
+                below = _snapshot(model, optim, accuracy, steps)
+            else:
+                if above is None or accuracy < above.accuracy:
+                    above = _snapshot(model, optim, accuracy, steps)
+                if below is None:
+                    break  # above the band before any training: there is nothing to roll back to
+                lr, eval_every, rollbacks = lr * LR_BACKOFF, 1, rollbacks + 1
+                _restore(model, optim, below, lr)
+                steps = below.steps
+            if steps_total >= ws_cfg.max_steps:
+                break
+            model.train()
+            for _ in range(min(eval_every, ws_cfg.max_steps - steps_total)):
+                batch = demonstration_batch(
+                    tokenizer, task, [task.sample(train_rng) for _ in range(ws_cfg.batch_size)]
+                )
+                loss_t = demonstration_loss(model, *(t.to(device) for t in batch))
+                optim.zero_grad(set_to_none=True)
+                loss_t.backward()
+                optim.step()
+                loss, steps, steps_total = loss_t.item(), steps + 1, steps_total + 1
+                bar.set_postfix(_postfix(steps, loss, accuracy, lr), refresh=False)
+                bar.update(1)
+            model.eval()
+    if not low <= accuracy <= high:
+        if above is None:
+            raise RuntimeError(
+                f"warm start of {task!r} did not reach held-out accuracy {low} within warmstart.max_steps="
+                f"{ws_cfg.max_steps} (last accuracy {accuracy:.3f} after {steps} steps); raise "
+                "warmstart.max_steps or warmstart.lr, or lower warmstart.target_low"
+            )
+        _restore(model, optim, above, lr)
+        accuracy, steps = above.accuracy, above.steps
+        warnings.warn(
+            f"warm start of {task!r} overshot the band [{low}, {high}] and ran out of warmstart.max_steps="
+            f"{ws_cfg.max_steps}; using the closest model above the band (accuracy {accuracy:.3f})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return accuracy, steps, dict(steps_total=steps_total, rollbacks=rollbacks, history=history)
+
+
+@contextlib.contextmanager
+def _hf_progress_bars(enabled: bool) -> Iterator[None]:
+    """Silence transformers' own progress bars (e.g. "Writing model shards") when progress=False."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _build(
+    final: Path,
+    model_cfg: ModelConfig,
+    task_name: str,
+    difficulty: int,
+    ws_cfg: WarmStartConfig,
+    seed: int,
+    max_new_tokens: int,
+    key: str,
+    device: str,
+    progress: bool,
+) -> tuple[float, int]:
+    """Train, then save into a temporary sibling of `final` and rename it into place; return (accuracy, steps)."""
+    start = time.perf_counter()
+    task = make_task(task_name, difficulty)
+    if model_cfg.pretrained:
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg.pretrained)
+    else:
+        tokenizer = build_tokenizer()
+    devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model = build_model(model_cfg, tokenizer).to(device)
+        accuracy, steps, stats = _train(model, tokenizer, task, ws_cfg, seed, max_new_tokens, progress)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    try:
+        with _hf_progress_bars(progress):
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        meta = dict(
+            format=FORMAT_VERSION,
+            key=key,
+            accuracy=accuracy,
+            steps=steps,
+            seconds=time.perf_counter() - start,
+            task=task_name,
+            difficulty=difficulty,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            model=asdict(model_cfg),
+            warmstart=asdict(ws_cfg),
+            **stats,
+        )
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, final)  # atomic: the final name never holds a half-written directory
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return accuracy, steps
+
+
+def warm_start_dir(
+    model_cfg: ModelConfig,
+    task_name: str,
+    difficulty: int,
+    ws_cfg: WarmStartConfig,
+    seed: int,
+    *,
+    max_new_tokens: int | None = None,
+) -> Path:
+    """The cache directory `<cache_dir>/<task>-<key[:16]>` of a warm start (its lock is `<dir>.lock`)."""
+    if max_new_tokens is None:
+        max_new_tokens = make_task(task_name, difficulty).max_response_len + 1
+    key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens)
+    return Path(ws_cfg.cache_dir).expanduser().resolve() / f"{task_name}-{key[:16]}"
+
+
+def warm_start(
+    model_cfg: ModelConfig,
+    task_name: str,
+    difficulty: int,
+    ws_cfg: WarmStartConfig,
+    seed: int,
+    *,
+    max_new_tokens: int | None = None,
+    progress: bool = True,
+    device: str = "cpu",
+) -> WarmStartResult:
+    """Return a cached warm-started checkpoint for this configuration, training it first if needed.
+
+    max_new_tokens: response limit of the accuracy check; default `task.max_response_len + 1` (EOS).
+    Pass the RL sampler's value so the band is measured as RL will sample.
+    device: where training runs; not part of the cache key (the first build of a key is kept).
+    Raises ValueError for a bad config and RuntimeError when accuracy never reaches target_low.
+    """
+    start = time.perf_counter()
+    ws_cfg.validate()
+    model_cfg.validate()
+    if not ws_cfg.enabled:
+        raise ValueError("warmstart.enabled=false: the caller should skip the warm start")
+    if seed < 0:
+        raise ValueError(
+            f"seed={seed}: the run seed must be >= 0 (it seeds the train split's example stream)"
+        )
+    if max_new_tokens is None:
+        max_new_tokens = make_task(task_name, difficulty).max_response_len + 1
+    final = warm_start_dir(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens=max_new_tokens)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(f"{final}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # released when the descriptor is closed, even on a crash
+        cached = (final / META_FILE).is_file()
+        if cached:
+            meta = json.loads((final / META_FILE).read_text())
+            accuracy, steps = meta["accuracy"], meta["steps"]
+        else:
+            # Holding the lock, no one else builds this key: leftovers are from a crashed builder.
+            for stale in final.parent.glob(f".{final.name}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            if final.exists():
+                warnings.warn(
+                    f"rebuilding incomplete warm start directory {final}", RuntimeWarning, stacklevel=2
+                )
+                shutil.rmtree(final)
+            key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens)
+            accuracy, steps = _build(
+                final, model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, key, device, progress
+            )
+    finally:
+        os.close(lock_fd)
+    return WarmStartResult(str(final), accuracy, steps, cached, time.perf_counter() - start)
