@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from moe_rl.rollout.forward import position_ids_from_mask
 from moe_rl.routing import RoutingController, RoutingTrace
-from moe_rl.rollout.forward import position_ids_from_mask, token_logprobs
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Rollout:
 
     prompt_ids_BP / prompt_mask_BP: left-padded prompts. response_ids_BR: right-padded with pad after EOS.
     response_mask_BR: True on real response tokens (EOS included). logp_BR: sampler log-probs (0 on pads).
+    entropy_BR: entropy (nats) of each drawn token's distribution softmax(logits / T) (0 on pads).
     routing: the sampler's trace over the S - 1 positions it fed (prefill + each decode step), or None.
     texts: decoded responses without special tokens.
     """
@@ -58,6 +59,7 @@ class Rollout:
     response_ids_BR: torch.Tensor
     response_mask_BR: torch.Tensor
     logp_BR: torch.Tensor
+    entropy_BR: torch.Tensor
     routing: RoutingTrace | None
     texts: list[str]
 
@@ -116,6 +118,7 @@ def sample(
     positions_BS = position_ids_from_mask(mask_BS)
     tokens_BR = torch.full((B, R), pad, dtype=torch.long, device=device)
     logp_BR = torch.zeros(B, R, dtype=torch.float32, device=device)
+    entropy_BR = torch.zeros(B, R, dtype=torch.float32, device=device)
     alive_B = torch.ones(B, dtype=torch.bool, device=device)
     lengths_B = torch.zeros(B, dtype=torch.long, device=device)
     recording = controller.record() if controller is not None else contextlib.nullcontext()
@@ -136,16 +139,16 @@ def sample(
             tok_B = _draw(logits_BV, cfg, banned, generator)
             tok_B = torch.where(alive_B, tok_B, torch.full_like(tok_B, pad))
             tokens_BR[:, t] = tok_B
-            logp_BR[:, t] = torch.where(
-                alive_B, token_logprobs(logits_BV, tok_B, cfg.temperature or 1.0), 0.0
-            )
+            logp_BV = torch.log_softmax(logits_BV.float() / (cfg.temperature or 1.0), dim=-1)
+            logp_BR[:, t] = torch.where(alive_B, logp_BV.gather(-1, tok_B[:, None]).squeeze(-1), 0.0)
+            entropy_BR[:, t] = torch.where(alive_B, -(logp_BV.exp() * logp_BV).sum(-1), 0.0)
             lengths_B += alive_B.long()
             alive_B &= tok_B != eos
             steps = t + 1
             if not alive_B.any():
                 break
             feed_BT, start = tok_B.unsqueeze(1), end
-    tokens_BR, logp_BR = tokens_BR[:, :steps], logp_BR[:, :steps]
+    tokens_BR, logp_BR, entropy_BR = tokens_BR[:, :steps], logp_BR[:, :steps], entropy_BR[:, :steps]
     response_mask_BR = torch.arange(steps, device=device).unsqueeze(0) < lengths_B.unsqueeze(1)
     texts = tokenizer.batch_decode(
         tokens_BR.masked_fill(~response_mask_BR, pad).cpu(), skip_special_tokens=True
@@ -156,6 +159,7 @@ def sample(
         tokens_BR,
         response_mask_BR,
         logp_BR,
+        entropy_BR,
         rec.trace if rec is not None else None,
         texts,
     )

@@ -1,0 +1,27 @@
+"""The RL loop: one step (`step.py`), a whole run (`run.py`), collapse events, logging and checkpoints.
+
+Metrics logged every step (to metrics.jsonl and W&B):
+
+| key | meaning |
+|---|---|
+| `rollout/reward/mean`, `rollout/reward/std` | reward over the P x G completions |
+| `rollout/accuracy` | fraction of completions with reward 1 |
+| `rollout/response_len/mean` | response tokens (EOS included) |
+| `rollout/entropy/mean` | mean entropy (nats) of the sampler's token distributions softmax(logits / T) |
+| `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches |
+| `train/loss`, `train/grad_norm` | mean over mini-batches (grad norm before clipping) |
+| `train/lr` | learning rate after the step |
+| `routing/expert_change/frac` | mean over mini-batches 2..M of 1 - \\|A∩B\\|/K: the current policy's free top-k (A) vs the old policy's (B) on the same tokens, before that mini-batch's update |
+| `routing/expert_change/after_one_update` | the same on mini-batch 2 only: the paper's "after each gradient update" |
+| `routing/expert_change/layer_{i}` | the mini-batch 2..M mean, per layer |
+| `routing/expert_change/first_minibatch` | the same on mini-batch 1 (no update yet: 0 in fp32, a sanity check) |
+| `routing/rollout_vs_old/frac` | sampler routing vs old-policy routing, same measure |
+| `routing/load_cv/mean` | per-layer coefficient of variation of tokens per expert (old policy), mean over layers |
+| `routing/entropy/mean` | router entropy (nats) of the old policy, mean over layers |
+| `routing/replay_cache_bytes` | bytes of expert ids held for replay this step (0 when replay is off) |
+| `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens |
+| `collapse/events`, `collapse/new_events` | collapse events so far, and those of this step (see collapse.py) |
+| `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages |
+| `throughput/tokens_per_s` | (prompt + response tokens of the batch) / step seconds |
+| `throughput/sampler_tokens_per_s` | response tokens sampled / rollout seconds |
+"""

@@ -1,0 +1,84 @@
+"""Collapse events: detected from each step's metrics, logged with their step and kind.
+
+| kind | fires when |
+|---|---|
+| `nonfinite` | an update's loss or gradient norm is NaN/inf (that update is skipped) |
+| `reward_collapse` | after `warmup_steps`, the `reward_window`-step moving average of `rollout/reward/mean` falls below `reward_frac` x its best value so far (and the best is > 0) |
+| `entropy_collapse` | after `warmup_steps`, `rollout/entropy/mean` < `entropy_min` |
+| `ratio_blowup` | `ratio/token/max` > `ratio_max` or `ratio/token/min` < 1 / `ratio_max` in any mini-batch |
+
+Reward and entropy collapse fire once when entered and again only after recovery, so a long
+collapse is one event, not one per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from moe_rl.config import CollapseConfig
+
+
+@dataclass
+class CollapseEvent:
+    """One event: the RL step it happened at, its kind, the value seen and the threshold crossed."""
+
+    step: int
+    kind: str
+    value: float
+    threshold: float
+
+
+@dataclass
+class CollapseDetector:
+    """Stateful detector; its state is part of every checkpoint."""
+
+    cfg: CollapseConfig
+    rewards: list[float] = field(default_factory=list)
+    best_avg: float = -math.inf
+    in_reward_collapse: bool = False
+    in_entropy_collapse: bool = False
+    events: list[CollapseEvent] = field(default_factory=list)
+
+    def nonfinite(self, step: int, value: float) -> CollapseEvent:
+        """Record a skipped update whose loss or gradient was not finite."""
+        return self._add(CollapseEvent(step, "nonfinite", value, math.inf))
+
+    def observe(self, step: int, metrics: dict[str, float]) -> list[CollapseEvent]:
+        """Check one step's metrics (token-ratio max/min taken over all its mini-batches); return new events."""
+        c, new = self.cfg, []
+        ratio_max, ratio_min = metrics["ratio/token/max"], metrics["ratio/token/min"]
+        if ratio_max > c.ratio_max:
+            new.append(CollapseEvent(step, "ratio_blowup", ratio_max, c.ratio_max))
+        elif ratio_min < 1 / c.ratio_max:
+            new.append(CollapseEvent(step, "ratio_blowup", ratio_min, 1 / c.ratio_max))
+        self.rewards = (self.rewards + [metrics["rollout/reward/mean"]])[-c.reward_window :]
+        avg = sum(self.rewards) / len(self.rewards)
+        self.best_avg = max(self.best_avg, avg)
+        if step >= c.warmup_steps:
+            low = self.best_avg > 0 and avg < c.reward_frac * self.best_avg
+            if low and not self.in_reward_collapse:
+                new.append(CollapseEvent(step, "reward_collapse", avg, c.reward_frac * self.best_avg))
+            self.in_reward_collapse = low
+            entropy = metrics["rollout/entropy/mean"]
+            low = entropy < c.entropy_min
+            if low and not self.in_entropy_collapse:
+                new.append(CollapseEvent(step, "entropy_collapse", entropy, c.entropy_min))
+            self.in_entropy_collapse = low
+        return [self._add(e) for e in new]
+
+    def _add(self, event: CollapseEvent) -> CollapseEvent:
+        self.events.append(event)
+        return event
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume detection exactly."""
+        state = asdict(self)
+        state.pop("cfg")
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from `state_dict()`."""
+        for key, value in state.items():
+            setattr(self, key, value)
+        self.events = [CollapseEvent(**e) for e in state["events"]]

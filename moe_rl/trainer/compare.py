@@ -1,0 +1,108 @@
+"""The comparison table printed at the end of a sweep (and by `moe-rl-compare SWEEP_DIR`).
+
+One row per objective preset and replay source (taken from each run's summary.json, never from
+folder names), averaged over seeds:
+
+| column | from metrics.jsonl |
+|---|---|
+| final reward | mean of `rollout/reward/mean` over the last 5 steps |
+| clip frac | mean over steps of `clip/token_frac` |
+| token-ratio var | mean over steps of `ratio/token/var` |
+| expert change | mean over steps of `routing/expert_change/frac` |
+| collapse events | total over the run (`collapse/events` at its last step) |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+COLUMNS = ("final reward", "clip frac", "token-ratio var", "expert change", "collapse events")
+
+
+def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    """A run's summary.json and its metrics.jsonl rows (NaN/inf come back as floats)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        if line:
+            rows.append({k: float(v) if isinstance(v, str) else v for k, v in json.loads(line).items()})
+    return summary, rows
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if isinstance(v, float | int) and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def run_row(rows: list[dict]) -> dict[str, float]:
+    """The table's columns for one run."""
+    return {
+        "final reward": _mean([r["rollout/reward/mean"] for r in rows[-5:]]),
+        "clip frac": _mean([r.get("clip/token_frac", math.nan) for r in rows]),
+        "token-ratio var": _mean([r.get("ratio/token/var", math.nan) for r in rows]),
+        "expert change": _mean([r.get("routing/expert_change/frac", math.nan) for r in rows]),
+        "collapse events": rows[-1]["collapse/events"] if rows else math.nan,
+    }
+
+
+def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per label: the seeds found and each column averaged over them."""
+    by_label: dict[str, list[dict[str, float]]] = defaultdict(list)
+    seeds: dict[str, list[int]] = defaultdict(list)
+    for summary_path in sorted(sweep_dir.rglob("summary.json")):
+        summary, rows = read_run(summary_path.parent)
+        if rows:
+            by_label[summary["label"]].append(run_row(rows))
+            seeds[summary["label"]].append(summary["seed"])
+    return {
+        label: {"seeds": sorted(seeds[label]), **{c: _mean([r[c] for r in runs]) for c in COLUMNS}}
+        for label, runs in by_label.items()
+    }
+
+
+def format_table(table: dict[str, dict[str, Any]]) -> str:
+    """Markdown table, one row per label."""
+    lines = ["| run | seeds | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    for label, row in sorted(table.items()):
+        cells = [f"{row[c]:.4g}" for c in COLUMNS]
+        lines.append(f"| {label} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - hydra is a dependency; keeps the module importable alone
+    Callback = object
+
+
+class ComparisonTableCallback(Callback):
+    """Hydra callback: after a multirun, print the comparison table and save it as comparison.md."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        table = comparison(sweep_dir)
+        if not table:
+            return
+        text = format_table(table)
+        (sweep_dir / "comparison.md").write_text(text + "\n")
+        print(f"\nComparison ({sweep_dir}):\n{text}")
+
+
+def main() -> None:
+    """`moe-rl-compare SWEEP_DIR`: print the comparison table of a sweep folder."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path)
+    args = parser.parse_args()
+    table = comparison(args.sweep_dir)
+    if not table:
+        raise SystemExit(f"no runs with summary.json under {args.sweep_dir}")
+    print(format_table(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Metric sinks: a local JSONL file always, W&B when enabled. A W&B failure never stops training."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible as strings
+    return value
+
+
+class LocalLog:
+    """`metrics.jsonl` (one object per step) and `events.jsonl` in the run folder.
+
+    On resume the files are cut back to the checkpoint's step, so a resumed run's log equals an
+    uninterrupted one.
+    """
+
+    def __init__(self, run_dir: Path, resume_step: int | None) -> None:
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.events_path = run_dir / "events.jsonl"
+        for path in (self.metrics_path, self.events_path):
+            self._truncate(path, resume_step)
+
+    @staticmethod
+    def _truncate(path: Path, resume_step: int | None) -> None:
+        if resume_step is None or not path.exists():
+            path.unlink(missing_ok=True)
+            return
+        kept = [
+            line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < resume_step
+        ]
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n")
+
+    def event(self, event: dict) -> None:
+        with self.events_path.open("a") as f:
+            f.write(json.dumps({k: _jsonable(v) for k, v in event.items()}) + "\n")
+
+
+class NullWandb:
+    """Stands in when W&B is off: every call does nothing."""
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def summary(self, values: dict) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class Wandb:
+    """A W&B run whose every call is guarded: after an error it warns once and stops calling W&B.
+
+    The run id is kept in the run folder, so a resumed run continues the same W&B run.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict,
+        *,
+        mode: str,
+        project: str,
+        entity: str | None,
+        group: str,
+        name: str,
+        tags: list[str],
+    ) -> None:
+        import wandb
+
+        id_file = run_dir / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id)
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            group=group,
+            name=name,
+            tags=tags,
+            config=config,
+            dir=str(run_dir),
+            mode=mode,
+            id=run_id,
+            resume="allow",
+            reinit="create_new",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        self.failed = False
+
+    def _guard(self, fn) -> None:
+        if self.failed:
+            return
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - logging must never stop training
+            warnings.warn(f"W&B call failed; continuing with local logs only: {err}", stacklevel=3)
+            self.failed = True
+
+    def log(self, metrics: dict, step: int) -> None:
+        self._guard(lambda: self.run.log(metrics, step=step))
+
+    def summary(self, values: dict) -> None:
+        self._guard(lambda: self.run.summary.update(values))
+
+    def finish(self) -> None:
+        self._guard(self.run.finish)
+
+
+def open_wandb(run_dir: Path, config: dict, **kwargs: Any) -> Wandb | NullWandb:
+    """Start W&B, or return a NullWandb (with a warning) if it cannot start."""
+    try:
+        return Wandb(run_dir, config, **kwargs)
+    except Exception as err:  # noqa: BLE001
+        warnings.warn(f"W&B could not start ({err}); training continues with local logs only", stacklevel=2)
+        return NullWandb()

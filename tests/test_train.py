@@ -1,0 +1,217 @@
+"""The RL loop, the Hydra command, logging, collapse events and resume."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from moe_rl.config import Config
+from moe_rl.rollout import sample
+from moe_rl.train import CONF_DIR, to_config
+from moe_rl.trainer.run import _context, train
+from moe_rl.trainer.step import Batch, _old_policy, _update
+
+REQUIRED_KEYS = [
+    "rollout/reward/mean", "rollout/reward/std", "rollout/accuracy", "rollout/response_len/mean",
+    "clip/token_frac", "clip/low_frac", "clip/high_frac", "clip/seq_frac", "ratio/token/mean", "ratio/token/var",
+    "ratio/token/within_seq_var", "policy/approx_kl", "routing/expert_change/frac",
+    "routing/expert_change/after_one_update", "routing/expert_change/layer_0", "routing/rollout_vs_old/frac",
+    "routing/load_cv/mean", "routing/entropy/mean", "routing/replay_cache_bytes", "mismatch/logp_abs_diff/mean",
+    "train/loss", "train/grad_norm", "train/lr", "collapse/events", "time/step_s", "time/rollout_s",
+    "time/train_s", "throughput/tokens_per_s",
+]
+TINY = [
+    "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batches=2",
+    "sampler.max_new_tokens=6", "model.num_layers=2", "logger.progress=false",
+]
+
+
+def compose_config(overrides: list[str]) -> Config:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return to_config(compose(config_name="config", overrides=overrides))
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "task", "objective", "trainer", "logger"])
+def test_every_config_composes(group):
+    """Every option of every config group composes onto the typed schema and validates."""
+    for option in _options(group):
+        cfg = compose_config([f"{group}={option}"])
+        assert isinstance(cfg, Config)
+
+
+def test_every_experiment_composes():
+    """Every experiment/*.yaml composes as a global override and validates."""
+    for name in _options("experiment"):
+        cfg = compose_config([f"+experiment={name}"])
+        assert cfg.experiment == name
+
+
+def test_objective_presets_set_paper_clip_ranges_and_replay():
+    """Presets carry the paper's clip ranges and their replay source."""
+    grpo, rr, r3, gspo = (compose_config([f"objective={n}"]) for n in ("grpo", "grpo_rr", "grpo_r3", "gspo"))
+    assert (grpo.objective.clip_low, grpo.objective.clip_high, grpo.routing.replay) == (0.2, 0.27, "off")
+    assert (rr.objective.name, rr.routing.replay, r3.routing.replay) == ("grpo", "old", "rollout")
+    assert (gspo.objective.clip_low, gspo.objective.clip_high) == (3e-4, 4e-4)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("trainer.mini_batches=3", "trainer.mini_batches"),
+        ("model.top_k=99", "model.top_k"),
+        ("routing.replay=sometimes", "routing.replay"),
+        ("objective.name=ppo", "objective.name"),
+        ("sampler.max_new_tokens=2", "sampler.max_new_tokens"),
+    ],
+)
+def test_invalid_config_fails_fast_with_field_name(tmp_path, override, field):
+    """A bad value exits with code 2 and one error line naming the field, before any run files are written."""
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.train", override, f"hydra.run.dir={tmp_path}/run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and field in lines[0], proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_type_error_names_field(tmp_path):
+    """A value of the wrong type is refused by the schema, naming the field."""
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.train", "trainer.steps=abc", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "trainer.steps" in proc.stderr
+
+
+def _step_parts(replay: str, lr: float = 3e-2):
+    cfg = compose_config([f"routing.replay={replay}", "warmstart.enabled=false", f"trainer.lr={lr}",
+                          "trainer.warmup_steps=0", "objective=grpo", *TINY])
+    cfg.routing.replay = replay
+    ctx, _ = _context(cfg)
+    roll = sample(ctx.model, ctx.tokenizer, ["1+2=", "3-1=", "4+4=", "9-5="] * 4, cfg.sampler,
+                  generator=torch.Generator().manual_seed(0), controller=ctx.controller)
+    adv_B = torch.randn(len(roll.texts), generator=torch.Generator().manual_seed(1))
+    batch = Batch.from_rollout(roll, adv_B, torch.arange(len(roll.texts)))
+    slices = [slice(0, 8), slice(8, 16)]
+    old_logps, old_traces = _old_policy(ctx, batch, slices)
+    return ctx, batch, slices, old_logps, old_traces
+
+
+@pytest.mark.parametrize("replay", ["old", "off", "rollout"])
+def test_first_minibatch_is_on_policy(replay):
+    """Mini-batch 1 has token ratios exactly 1 and expert change exactly 0 (fp32); after one update, routing moves."""
+    ctx, batch, slices, old_logps, old_traces = _step_parts(replay)
+    m1, change1 = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
+    assert m1["ratio/token/max"] == 1.0 and m1["ratio/token/min"] == 1.0 and m1["clip/token_frac"] == 0.0
+    assert torch.count_nonzero(change1) == 0
+    m2, change2 = _update(ctx, 0, batch, slices[1], old_logps[1], old_traces[1])
+    assert change2.sum() > 0, "a large update should move some expert choices"
+    assert m2["ratio/token/max"] > 1.0
+
+
+def test_replay_old_keeps_routing_but_not_free_choice():
+    """Under replay=old a later mini-batch still measures the routers' free change while its forward uses old routing."""
+    ctx, batch, slices, old_logps, old_traces = _step_parts("old", lr=1e-1)
+    _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
+    with ctx.controller.record() as rec, ctx.controller.replay(old_traces[1]):
+        from moe_rl.rollout import response_logprobs
+
+        response_logprobs(ctx.model, batch.input_ids_BS[slices[1]], batch.attention_mask_BS[slices[1]],
+                          batch.response_mask_BR.shape[1])
+    assert not torch.equal(rec.trace.expert_ids, old_traces[1].expert_ids)
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _run_console(tmp_path: Path, preset: str, extra: list[str], warm: list[str]) -> Path:
+    run_dir = tmp_path / preset
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.run(["moe-rl-train", f"objective={preset}", *TINY, *warm, *extra, f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def _check_run(run_dir: Path) -> None:
+    rows = _read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in REQUIRED_KEYS:
+        assert all(_finite(r[key]) for r in rows), key
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no W&B offline run files"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_done"] == 2 and (run_dir / "checkpoint.pt").exists()
+
+
+def test_console_command_end_to_end_gspo(tmp_path, warm_overrides):
+    """`moe-rl-train` runs GSPO end to end in a subprocess; metrics.jsonl is finite and W&B offline files exist."""
+    _check_run(_run_console(tmp_path, "gspo", [], warm_overrides))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["grpo", "grpo_rr", "grpo_r3", "gspo_token"])
+def test_console_command_end_to_end_presets(tmp_path, warm_overrides, preset):
+    """Every objective preset runs end to end through the console command with finite metrics."""
+    _check_run(_run_console(tmp_path, preset, [], warm_overrides))
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, warm_overrides):
+    """A run stopped after 2 steps and resumed to 4 logs the same metrics as a 4-step run never interrupted."""
+    cfg = compose_config([*TINY, *warm_overrides, "objective=grpo_rr", "trainer.checkpoint_every=1",
+                          "logger.wandb=false"])
+    full = replace(cfg, trainer=replace(cfg.trainer, steps=4))
+    train(full, tmp_path / "full")
+    train(cfg, tmp_path / "cut")  # steps=2, then "killed"
+    train(replace(full, resume=True), tmp_path / "cut")
+    assert _comparable(_read_metrics(tmp_path / "cut")) == _comparable(_read_metrics(tmp_path / "full"))
+
+
+@pytest.mark.slow
+def test_killed_process_resumes_to_same_metrics(tmp_path, warm_overrides):
+    """A console run SIGKILLed mid-way and resumed with resume=true logs what an uninterrupted run logs."""
+    args = ["moe-rl-train", "objective=grpo", *TINY, *warm_overrides, "trainer.steps=5", "trainer.checkpoint_every=1",
+            "logger.wandb=false"]
+    subprocess.run([*args, f"hydra.run.dir={tmp_path / 'full'}"], check=True, capture_output=True, timeout=600)
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen([*args, f"hydra.run.dir={run_dir}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    subprocess.run([*args, "resume=true", f"hydra.run.dir={run_dir}"], check=True, capture_output=True, timeout=600)
+    assert _comparable(_read_metrics(run_dir)) == _comparable(_read_metrics(tmp_path / "full"))
+
+
+def test_unstable_config_logs_collapse_events(tmp_path, warm_overrides):
+    """A huge learning rate produces collapse events (logged to events.jsonl and the summary), not a crash,
+    and stop_on_collapse ends the run early saying so."""
+    cfg = compose_config([*TINY, *warm_overrides, "objective=grpo", "trainer.lr=10.0", "trainer.warmup_steps=0",
+                          "trainer.steps=4", "collapse.warmup_steps=1", "logger.wandb=false"])
+    summary = train(cfg, tmp_path / "a")
+    assert summary["collapse_events"], "no collapse event at lr=10"
+    events = [json.loads(line) for line in (tmp_path / "a" / "events.jsonl").read_text().splitlines()]
+    assert {e["kind"] for e in events} == {e["kind"] for e in summary["collapse_events"]}
+    stop = replace(cfg, collapse=replace(cfg.collapse, stop_on_collapse=True))
+    summary = train(stop, tmp_path / "b")
+    assert summary["stopped_on_collapse"] is not None
+    assert summary["steps_done"] == summary["stopped_on_collapse"]["step"] + 1
