@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_rl.models.config import ModelConfig
+from moe_rl.models.config import DTYPES, ModelConfig
 from moe_rl.objectives import OBJECTIVES
 from moe_rl.objectives.common import AGGREGATIONS
 from moe_rl.rollout.sampler import SamplerConfig
@@ -86,6 +86,9 @@ class TrainerConfig:
     """torch CPU threads; 0 leaves torch's default."""
     device: str = "cpu"
     """Device of the model: cpu or cuda."""
+    sampler_dtype: str | None = None
+    """Sample with a separate copy of the policy in this dtype (e.g. bfloat16, as a low-precision
+    inference engine would), synced after every step; None samples with the trained model itself."""
 
 
 @dataclass
@@ -153,9 +156,11 @@ class Config:
             raise ValueError(f"task.name={self.task.name!r}: expected one of {sorted(TASKS)}")
         longest = make_task(self.task.name, self.task.difficulty).max_response_len + 1  # + EOS
         if self.sampler.max_new_tokens < longest:
-            raise ValueError(f"sampler.max_new_tokens={self.sampler.max_new_tokens} is shorter than the longest "
-                             f"answer of task {self.task.name} at difficulty {self.task.difficulty} ({longest} "
-                             "tokens with EOS)")
+            raise ValueError(
+                f"sampler.max_new_tokens={self.sampler.max_new_tokens} is shorter than the longest "
+                f"answer of task {self.task.name} at difficulty {self.task.difficulty} ({longest} "
+                "tokens with EOS)"
+            )
         o = self.objective
         if o.name not in OBJECTIVES:
             raise ValueError(f"objective.name={o.name!r}: expected one of {sorted(OBJECTIVES)}")
@@ -197,6 +202,8 @@ class Config:
             raise ValueError(
                 "trainer.checkpoint_every, trainer.warmup_steps and trainer.threads must be >= 0"
             )
+        if t.sampler_dtype is not None and t.sampler_dtype not in DTYPES:
+            raise ValueError(f"trainer.sampler_dtype={t.sampler_dtype!r}: expected one of {DTYPES} or null")
         if t.device not in ("cpu", "cuda") and not t.device.startswith("cuda:"):
             raise ValueError(f"trainer.device={t.device!r}: expected cpu or cuda[:N]")
         c = self.collapse

@@ -215,3 +215,13 @@ def test_unstable_config_logs_collapse_events(tmp_path, warm_overrides):
     summary = train(stop, tmp_path / "b")
     assert summary["stopped_on_collapse"] is not None
     assert summary["steps_done"] == summary["stopped_on_collapse"]["step"] + 1
+
+
+def test_bf16_sampler_shows_mismatch_and_fp32_does_not(tmp_path):
+    """A bfloat16 sampler copy gives sampler/trainer log-prob mismatch and routing disagreement; sampling with
+    the fp32 policy itself gives none beyond float noise."""
+    base = [*TINY, "warmstart.enabled=false", "logger.wandb=false", "objective=grpo_r3", "trainer.steps=1"]
+    fp32 = train(compose_config(base), tmp_path / "fp32")["final"]
+    bf16 = train(compose_config([*base, "trainer.sampler_dtype=bfloat16"]), tmp_path / "bf16")["final"]
+    assert fp32["mismatch/logp_abs_diff/mean"] < 1e-5 and fp32["routing/rollout_vs_old/frac"] == 0.0
+    assert bf16["mismatch/logp_abs_diff/mean"] > 1e-4

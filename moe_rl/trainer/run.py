@@ -61,6 +61,9 @@ def _context(cfg: Config) -> tuple[StepContext, dict]:
         optimizer, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps))
     )
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.objective.beta > 0 else None
+    sampler = None
+    if t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype:
+        sampler = copy.deepcopy(model).to(getattr(torch, t.sampler_dtype)).eval().requires_grad_(False)
     ctx = StepContext(
         cfg,
         model,
@@ -73,6 +76,8 @@ def _context(cfg: Config) -> tuple[StepContext, dict]:
         torch.Generator().manual_seed(cfg.seed + 1),
         CollapseDetector(cfg.collapse),
         ref,
+        sampler,
+        RoutingController(sampler) if sampler is not None else None,
     )
     info = {"warmstart_accuracy": ws.accuracy if ws else None, "warmstart_path": str(ws.path) if ws else None}
     return ctx, info
@@ -95,6 +100,7 @@ def _restore(ctx: StepContext, state: dict) -> int:
     ctx.scheduler.load_state_dict(state["scheduler"])
     ctx.detector.load_state_dict(state["detector"])
     set_rng_state(state["rng"], {"sample": ctx.sample_gen, "shuffle": ctx.shuffle_gen})
+    ctx.sync_sampler()
     return state["step"]
 
 

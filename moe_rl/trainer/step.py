@@ -83,16 +83,25 @@ class StepContext:
     shuffle_gen: torch.Generator
     detector: CollapseDetector
     ref_model: PreTrainedModel | None = None
+    sampler_model: PreTrainedModel | None = None
+    """A separate sampler copy of the policy at another precision (trainer.sampler_dtype), else None."""
+    sampler_controller: RoutingController | None = None
+
+    def sync_sampler(self) -> None:
+        """Copy the trained weights into the sampler copy (cast to its dtype), as an inference engine would."""
+        if self.sampler_model is not None:
+            self.sampler_model.load_state_dict(self.model.state_dict())
 
 
 def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor, dict[str, float]]:
     cfg, t = ctx.cfg, ctx.cfg.trainer
     examples = ctx.task.examples("train", t.prompts_per_step, seed=cfg.seed * 1_000_003 + step)
     prompts = [ex.prompt for ex in examples for _ in range(t.group_size)]
-    ctx.model.eval()
-    roll = sample(
-        ctx.model, ctx.tokenizer, prompts, cfg.sampler, generator=ctx.sample_gen, controller=ctx.controller
-    )
+    model, controller = ctx.model, ctx.controller
+    if ctx.sampler_model is not None:
+        model, controller = ctx.sampler_model, ctx.sampler_controller
+    model.eval()
+    roll = sample(model, ctx.tokenizer, prompts, cfg.sampler, generator=ctx.sample_gen, controller=controller)
     rewards = [
         ctx.task.reward(ex, text)
         for ex, text in zip([ex for ex in examples for _ in range(t.group_size)], roll.texts, strict=True)
@@ -204,6 +213,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
         m, change_L = _update(ctx, step, batch, sl, old_logps[j], old_traces[j])
         per_mb.append(m)
         changes.append(change_L)
+    ctx.sync_sampler()
     t3 = time.perf_counter()
 
     for key in per_mb[0]:
