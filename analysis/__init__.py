@@ -1,0 +1,11 @@
+"""Analysis of moe-rl sweeps: figures, tables and a report page in the style of the GSPO paper.
+
+Run it as `moe-rl-analyze SWEEP_DIR [SWEEP_DIR ...] --out OUT_DIR` (local Hydra sweep folders) or
+`moe-rl-analyze --wandb ENTITY/PROJECT --group GROUP --out OUT_DIR` (W&B public API). Both sources
+produce the same in-memory list of `Run` records (analysis.load), from which analysis.report builds
+the tables and analysis.figures the PNGs.
+"""
+
+from analysis.load import Run, group_runs, load_local, load_wandb, varying_fields
+
+__all__ = ["Run", "group_runs", "load_local", "load_wandb", "varying_fields"]

@@ -1,0 +1,63 @@
+"""`moe-rl-analyze`: figures, tables and a report page for a sweep, from local folders or W&B.
+
+    moe-rl-analyze multirun/default/2026-01-01_12-00-00 [more sweep folders ...] --out report/
+    moe-rl-analyze --wandb ENTITY/PROJECT --group GROUP --out report/ --title "GSPO vs GRPO"
+
+Writes OUT/report.md (open it in any markdown viewer), OUT/*.png, OUT/summary_table.md,
+OUT/collapse_table.md and OUT/table.json. Without a tty (or with --no-progress) no progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from analysis.load import load_local, load_wandb
+from analysis.report import write_report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="moe-rl-analyze",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]),
+    )
+    parser.add_argument("sweep_dirs", nargs="*", type=Path, help="sweep or run folders, searched recursively")
+    parser.add_argument(
+        "--wandb", metavar="ENTITY/PROJECT", help="read runs from W&B instead of local folders"
+    )
+    parser.add_argument("--group", help="W&B group (with --wandb); all runs of the project when omitted")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="output folder for report.md, figures, tables"
+    )
+    parser.add_argument("--title", default=None, help="report title (default: names the sources)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    args = parser.parse_args(argv)
+    if bool(args.sweep_dirs) == bool(args.wandb):
+        parser.error("give either SWEEP_DIR ... or --wandb ENTITY/PROJECT, not both and not neither")
+    if args.group and not args.wandb:
+        parser.error("--group needs --wandb")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `moe-rl-analyze`."""
+    args = parse_args(argv)
+    progress = not args.no_progress and sys.stderr.isatty()
+    if args.wandb:
+        runs = load_wandb(args.wandb, args.group, progress=progress)
+        sources = [f"wandb:{args.wandb}" + (f" group={args.group}" if args.group else "")]
+    else:
+        runs = load_local(args.sweep_dirs, progress=progress)
+        sources = [str(d) for d in args.sweep_dirs]
+    if not runs:
+        raise SystemExit(f"no runs with metrics found in {', '.join(sources)}")
+    title = args.title or f"moe-rl sweep: {', '.join(sources)}"
+    report = write_report(runs, args.out, title, sources)
+    print(f"{len(runs)} runs -> {report}")
+
+
+if __name__ == "__main__":
+    main()

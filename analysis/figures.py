@@ -1,0 +1,291 @@
+"""PNG figures after the GSPO paper's (Agg backend; one color per group, the same in every figure).
+
+Curves are the mean over seeds; the shaded band (and the bars' error bars) span the min and max over
+seeds (BAND): with two or three seeds a standard deviation says little, the range shows every seed.
+Seeds are aligned on the RL step; a step missing from a seed (stopped on collapse) is averaged over
+the seeds that have it. Non-finite values are left out of every mean.
+
+Compute proxy (reward_vs_compute.png): cumulative sampled response tokens, sum over steps of
+prompts_per_step * group_size * `rollout/response_len/mean`. Every response token is generated once,
+scored by the old-policy forward once and trained on once per step, so training cost grows with it;
+unlike wall time it does not depend on how busy the machine was. Wall time (sum of `time/step_s`)
+is the second panel.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from analysis.load import Run  # noqa: E402
+
+BAND = "min–max over seeds"
+Groups = dict[str, list[Run]]
+_LAYER = re.compile(r"^routing/expert_change/layer_(\d+)$")
+
+
+def finite_mean(values) -> float:
+    """Mean of the finite values (nan when there are none)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if v.size else math.nan
+
+
+def aggregate(runs: list[Run], values) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean, min, max) over seeds of `values(run)` (an array aligned with run.rows)."""
+    per_run = [dict(zip((int(r["step"]) for r in run.rows), values(run), strict=True)) for run in runs]
+    steps = np.array(sorted(set().union(*per_run)), dtype=int)
+    mean, lo, hi = (np.full(len(steps), np.nan) for _ in range(3))
+    for i, step in enumerate(steps):
+        v = np.array([d.get(step, np.nan) for d in per_run], dtype=float)
+        v = v[np.isfinite(v)]
+        if v.size:
+            mean[i], lo[i], hi[i] = v.mean(), v.min(), v.max()
+    return steps, mean, lo, hi
+
+
+def aggregate_columns(values_RC: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(columns, mean, min, max) over the rows (seeds) of a seeds x columns array, finite values only."""
+    stats = np.full((3, values_RC.shape[1]), np.nan)
+    for j, column in enumerate(values_RC.T):
+        v = column[np.isfinite(column)]
+        if v.size:
+            stats[:, j] = v.mean(), v.min(), v.max()
+    return np.arange(values_RC.shape[1]), *stats
+
+
+def cumulative_response_tokens(run: Run) -> np.ndarray:
+    """The compute proxy: cumulative prompts_per_step * group_size * mean response length."""
+    trainer = run.config.get("trainer", {})
+    per_step = trainer.get("prompts_per_step", np.nan) * trainer.get("group_size", np.nan)
+    return np.cumsum(np.nan_to_num(run.series("rollout/response_len/mean")) * per_step)
+
+
+def cumulative_wall_seconds(run: Run) -> np.ndarray:
+    """Cumulative `time/step_s`: wall time, which depends on the machine and its load."""
+    return np.cumsum(np.nan_to_num(run.series("time/step_s")))
+
+
+def _colors(groups: Groups) -> dict[str, tuple]:
+    cmap = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
+    return {label: cmap(i % cmap.N) for i, label in enumerate(groups)}
+
+
+def _band_plot(ax, x, mean, lo, hi, color, label) -> None:
+    ax.plot(x, mean, color=color, label=label, marker="." if len(x) < 30 else None)
+    if len(x) > 1:
+        ax.fill_between(x, lo, hi, color=color, alpha=0.2, linewidth=0)
+    else:
+        ax.errorbar(x, mean, yerr=[mean - lo, hi - mean], color=color, capsize=3)
+
+
+def _log_y(ax, values) -> str:
+    """Log y axis; symlog (linear near 0) when some values are 0. Returns a note for the axis label."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    pos = v[v > 0]
+    if pos.size and pos.size == v.size:
+        ax.set_yscale("log")
+        return ""
+    thresh = 10 ** math.floor(math.log10(pos.min())) if pos.size else 1e-6
+    ax.set_yscale("symlog", linthresh=thresh)
+    if v.size and v.min() >= 0:  # fractions and variances: no negative decades
+        ax.set_ylim(0, max(10 * thresh, 2 * float(v.max())))
+    return f"\n(symlog: linear below {thresh:.0e})"
+
+
+def _finish(fig, axes, path: Path, title: str) -> Path:
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.suptitle(title)
+    fig.tight_layout()
+    if handles:
+        fig.legend(
+            handles,
+            labels,
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.0),
+            ncol=min(3, len(labels)),
+            fontsize="small",
+            frameon=False,
+        )
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_reward(groups: Groups, out_dir: Path) -> Path:
+    """Mean reward vs RL step."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, color in _colors(groups).items():
+        steps, mean, lo, hi = aggregate(groups[label], lambda r: r.series("rollout/reward/mean"))
+        _band_plot(ax, steps, mean, lo, hi, color, label)
+    ax.set(xlabel="RL step", ylabel="rollout/reward/mean")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    return _finish(fig, [ax], out_dir / "reward_vs_step.png", f"Training reward (band: {BAND})")
+
+
+def plot_reward_compute(groups: Groups, out_dir: Path) -> Path:
+    """Mean reward vs cumulative response tokens (the compute proxy) and vs cumulative wall time."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    xs = {
+        "cumulative response tokens\n(prompts x group x mean response length)": cumulative_response_tokens,
+        "cumulative wall time (s, sum of time/step_s)": cumulative_wall_seconds,
+    }
+    for ax, (xlabel, xfn) in zip(axes, xs.items(), strict=True):
+        for label, color in _colors(groups).items():
+            _, x, _, _ = aggregate(groups[label], xfn)  # mean over seeds of the cumulative x at each step
+            _, mean, lo, hi = aggregate(groups[label], lambda r: r.series("rollout/reward/mean"))
+            _band_plot(ax, x, mean, lo, hi, color, label)
+        ax.set(xlabel=xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("rollout/reward/mean")
+    return _finish(fig, axes, out_dir / "reward_vs_compute.png", f"Reward vs training compute (band: {BAND})")
+
+
+def _per_run_means(groups: Groups, key: str) -> dict[str, np.ndarray]:
+    return {label: np.array([finite_mean(r.series(key)) for r in runs]) for label, runs in groups.items()}
+
+
+def plot_clip_fraction(groups: Groups, out_dir: Path) -> Path:
+    """Bars: mean over seeds of each run's mean clip/token_frac, error bars min–max, log y."""
+    per_run = _per_run_means(groups, "clip/token_frac")
+    colors = _colors(groups)
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(groups) + 2), 4.5))
+    x = np.arange(len(groups))
+    means = np.array([finite_mean(v) for v in per_run.values()])
+    lo = np.array([np.nanmin(v) if np.isfinite(v).any() else np.nan for v in per_run.values()])
+    hi = np.array([np.nanmax(v) if np.isfinite(v).any() else np.nan for v in per_run.values()])
+    ax.bar(x, np.nan_to_num(means), color=[colors[g] for g in groups])
+    ax.errorbar(x, means, yerr=[means - lo, hi - means], fmt="none", ecolor="black", capsize=4)
+    for xi, m in zip(x, means, strict=True):
+        ax.annotate(
+            f"{m:.2g}",
+            (xi, m if m > 0 else 0),
+            ha="center",
+            va="bottom",
+            fontsize="small",
+            xytext=(0, 3),
+            textcoords="offset points",
+        )
+    note = _log_y(ax, np.concatenate([means, lo, hi]))
+    ax.set_xticks(x, list(groups), rotation=25, ha="right", fontsize="small")
+    ax.set_ylabel("fraction of clipped tokens\n(clip/token_frac, mean over steps)" + note)
+    ax.grid(alpha=0.3, axis="y")
+    return _finish(fig, [ax], out_dir / "clip_fraction.png", f"Clipped-token fraction (error bars: {BAND})")
+
+
+def _layers(runs: list[Run]) -> list[int]:
+    return sorted({int(m.group(1)) for r in runs for k in r.keys() if (m := _LAYER.match(k))})
+
+
+def plot_expert_change(groups: Groups, out_dir: Path) -> Path:
+    """Expert-change fraction by step (after one update; mini-batches 2..M) and by layer."""
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    panels = [
+        ("routing/expert_change/after_one_update", "after one update (mini-batch 2)"),
+        ("routing/expert_change/frac", "mean over mini-batches 2..M"),
+    ]
+    for label, color in _colors(groups).items():
+        runs = groups[label]
+        for ax, (key, _) in zip(axes, panels, strict=False):
+            steps, mean, lo, hi = aggregate(runs, lambda r, k=key: r.series(k))
+            _band_plot(ax, steps, mean, lo, hi, color, label)
+        layers = _layers(runs)
+        if layers:
+            per_seed = np.array(
+                [[finite_mean(r.series(f"routing/expert_change/layer_{i}")) for i in layers] for r in runs]
+            )
+            _, mean, lo, hi = aggregate_columns(per_seed)
+            _band_plot(axes[2], np.array(layers), mean, lo, hi, color, label)
+    for ax, (key, what) in zip(axes, panels, strict=False):
+        ax.set(xlabel="RL step", ylabel="fraction of top-k experts changed", title=f"{key}\n{what}")
+    axes[2].set(
+        xlabel="layer",
+        ylabel="fraction of top-k experts changed",
+        title="routing/expert_change/layer_i\nmean over steps, by layer",
+    )
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    layers = _layers([r for runs in groups.values() for r in runs])
+    if layers:
+        axes[2].set_xlim(min(layers) - 0.5, max(layers) + 0.5)
+        if len(layers) <= 16:
+            axes[2].set_xticks(layers)
+    for ax in axes:
+        ax.title.set_fontsize("medium")
+        ax.grid(alpha=0.3)
+    return _finish(
+        fig, axes, out_dir / "expert_change.png", f"Expert change vs the old policy (band: {BAND})"
+    )
+
+
+def _binned(x: np.ndarray, y: np.ndarray, bins: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Means of x and y in up to `bins` equal-count bins of x (finite pairs only)."""
+    keep = np.isfinite(x) & np.isfinite(y)
+    if not keep.any():
+        return np.array([]), np.array([])
+    order = np.argsort(x[keep], kind="stable")
+    chunks = [c for c in np.array_split(order, min(bins, order.size)) if c.size]
+    return (np.array([x[keep][c].mean() for c in chunks]), np.array([y[keep][c].mean() for c in chunks]))
+
+
+def plot_ratio_variance(groups: Groups, out_dir: Path) -> Path:
+    """Token-ratio variance (all tokens; within sequences) vs mean response length: steps as dots, binned means as lines."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    keys = ["ratio/token/var", "ratio/token/within_seq_var"]
+    all_y: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    for label, color in _colors(groups).items():
+        x = np.concatenate([r.series("rollout/response_len/mean") for r in groups[label]])
+        for ax, key in zip(axes, keys, strict=True):
+            y = np.concatenate([r.series(key) for r in groups[label]])
+            all_y[key].append(y)
+            ax.scatter(x, y, color=color, s=8, alpha=0.3, linewidths=0)
+            bx, by = _binned(x, y)
+            ax.plot(bx, by, color=color, marker="o", markersize=4, label=label)
+    for ax, key in zip(axes, keys, strict=True):
+        note = _log_y(ax, np.concatenate(all_y[key]))
+        ax.set(
+            xlabel="mean response length of the step (tokens, rollout/response_len/mean)",
+            ylabel=f"{key}{note}",
+        )
+        ax.grid(alpha=0.3)
+    title = (
+        "Token importance-ratio variance vs response length (dots: steps of all seeds; lines: binned means)"
+    )
+    return _finish(fig, axes, out_dir / "ratio_variance.png", title)
+
+
+FIGURES = {
+    "reward_vs_step": (plot_reward, "Mean training reward per RL step."),
+    "reward_vs_compute": (
+        plot_reward_compute,
+        "Reward against the compute proxy (cumulative sampled response tokens) and against wall time.",
+    ),
+    "clip_fraction": (
+        plot_clip_fraction,
+        "Fraction of clipped tokens per label (the paper's Fig. 2 comparison), log scale.",
+    ),
+    "expert_change": (
+        plot_expert_change,
+        "Fraction of top-k experts that differ between the current and the old policy on the same tokens (paper §5.3).",
+    ),
+    "ratio_variance": (
+        plot_ratio_variance,
+        "Token-level importance-ratio variance against the step's mean response length: one dot per step and seed, lines join means of equal-count length bins.",
+    ),
+}
+
+
+def write_figures(groups: Groups, out_dir: Path) -> dict[str, tuple[Path, str]]:
+    """Every figure in FIGURES, saved under out_dir: {name: (path, caption)}."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return {name: (plot(groups, out_dir), caption) for name, (plot, caption) in FIGURES.items()}

@@ -1,0 +1,254 @@
+"""Load runs from a local sweep folder or from W&B into one in-memory form, and group them.
+
+A `Run` is the run's full config (nested, as Hydra resolved it), its metrics rows (one dict per RL
+step, exactly as in metrics.jsonl, NaN/inf as floats) and its collapse events. Both sources give the
+same record, so the tables and figures never know where a run came from.
+
+Grouping: a run's base label is its objective preset and replay source, read from its config (the
+same string as `moe_rl.trainer.run.run_label`), never from folder names. Config fields that take more
+than one value among runs with the same base label (a swept lr, model.num_layers, task.difficulty,
+trainer.mini_batches, ...) are detected automatically and appended to the label. Seeds, logging and
+device settings never split a group (see IGNORED): runs that differ only in those are averaged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from moe_rl.trainer.compare import read_run
+
+# Fields that never define a group: seeds are what we average over; the rest do not change the science.
+IGNORED = {
+    "seed",
+    "model.seed",
+    "warmstart.seed",
+    "resume",
+    "trainer.threads",
+    "trainer.device",
+    "trainer.checkpoint_every",
+    "warmstart.cache_dir",
+}
+IGNORED_PREFIXES = ("logger.", "hydra.", "_")
+
+
+@dataclass
+class Run:
+    """One training run, whatever its source."""
+
+    config: dict[str, Any]
+    """The resolved config, nested like conf/ (objective.preset, routing.replay, trainer.lr, ...)."""
+    rows: list[dict[str, float]]
+    """metrics.jsonl: one dict per RL step with a "step" key; non-finite values are float nan/inf."""
+    events: list[dict] | None
+    """Collapse events (events.jsonl); None when the source does not keep them (W&B)."""
+    source: str
+    """Where it came from: the run folder, or the W&B run path."""
+
+    @property
+    def flat(self) -> dict[str, Any]:
+        """The config with dotted keys ("trainer.lr")."""
+        return flatten(self.config)
+
+    @property
+    def base_label(self) -> str:
+        """Objective preset and replay source: the label moe_rl.trainer.run.run_label gives the run."""
+        return f"{self.config['objective']['preset']} (replay={self.config['routing']['replay']})"
+
+    @property
+    def seed(self) -> int:
+        return int(self.config["seed"])
+
+    def series(self, key: str) -> np.ndarray:
+        """The metric `key` over steps (nan where a step lacks it)."""
+        return np.array([_to_float(r.get(key, math.nan)) for r in self.rows], dtype=float)
+
+    def keys(self) -> set[str]:
+        """Every metric key logged at some step."""
+        return {k for r in self.rows for k in r}
+
+
+def _to_float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> {"a.b.c": value}; lists stay values."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def unflatten(config: dict[str, Any]) -> dict[str, Any]:
+    """{"a.b": 1} -> {"a": {"b": 1}}; already nested dicts are merged (W&B may store either form)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            node[leaf].update(unflatten(value))
+        else:
+            node[leaf] = unflatten(value) if isinstance(value, dict) else value
+    return out
+
+
+# --- local sweep folders ---------------------------------------------------------------------------
+
+
+def find_run_dirs(sweep_dirs: Iterable[Path]) -> list[Path]:
+    """Every folder under `sweep_dirs` (recursively, or the folder itself) with metrics.jsonl and summary.json."""
+    found: set[Path] = set()
+    for root in sweep_dirs:
+        root = Path(root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root}: not a folder")
+        for metrics in root.rglob("metrics.jsonl"):
+            if (metrics.parent / "summary.json").exists():
+                found.add(metrics.parent)
+    return sorted(found)
+
+
+def _config_from_summary(summary: dict) -> dict[str, Any]:
+    """Fallback for a run folder without .hydra/config.yaml: the fields summary.json records."""
+    return {
+        "objective": {"preset": summary["objective"]},
+        "routing": {"replay": summary["replay"]},
+        "seed": summary["seed"],
+        "experiment": summary.get("experiment", "default"),
+    }
+
+
+def read_local_run(run_dir: Path) -> Run:
+    """One run folder written by moe-rl-train."""
+    summary, rows = read_run(run_dir)
+    hydra_cfg = run_dir / ".hydra" / "config.yaml"
+    if hydra_cfg.exists():
+        cfg = OmegaConf.load(hydra_cfg)
+        try:
+            config = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # noqa: BLE001 - an interpolation needing Hydra's runtime: keep it as written
+            config = OmegaConf.to_container(cfg, resolve=False)
+    else:
+        config = _config_from_summary(summary)
+    events_path = run_dir / "events.jsonl"
+    events = []
+    if events_path.exists():
+        events = [json.loads(line) for line in events_path.read_text().splitlines() if line]
+    return Run(config=config, rows=rows, events=events, source=str(run_dir))
+
+
+def load_local(sweep_dirs: Iterable[Path], progress: bool = True) -> list[Run]:
+    """Every run under the given sweep folders (runs without any metrics row are skipped)."""
+    run_dirs = find_run_dirs(sweep_dirs)
+    runs = [read_local_run(d) for d in tqdm(run_dirs, desc="loading runs", disable=not progress, leave=False)]
+    return [r for r in runs if r.rows]
+
+
+# --- W&B -------------------------------------------------------------------------------------------
+
+
+def run_from_wandb(wb_run: Any) -> Run:
+    """A `wandb.apis.public.Run` (anything with .config, .scan_history() and .path) as a Run.
+
+    The trainer logs `dataclasses.asdict(cfg)` as the W&B config and each metrics row at step=step,
+    so the config and rows come back as local runs have them ("_step" becomes "step").
+    """
+    config = unflatten({k: v for k, v in dict(wb_run.config).items() if not k.startswith("_")})
+    rows = []
+    for raw in wb_run.scan_history():
+        row = {k: _to_float(v) for k, v in raw.items() if not k.startswith("_") and v is not None}
+        row["step"] = int(raw.get("step", raw["_step"]))
+        rows.append(row)
+    rows.sort(key=lambda r: r["step"])
+    path = "/".join(wb_run.path) if isinstance(wb_run.path, list | tuple) else str(wb_run.path)
+    return Run(config=config, rows=rows, events=None, source=f"wandb:{path}")
+
+
+def load_wandb(path: str, group: str | None, progress: bool = True) -> list[Run]:
+    """Runs of W&B project `path` ("entity/project"), optionally only those of `group`."""
+    import wandb  # only needed for this source
+
+    api = wandb.Api()
+    wb_runs = list(api.runs(path, filters={"group": group} if group else None))
+    runs = [
+        run_from_wandb(r) for r in tqdm(wb_runs, desc="loading W&B runs", disable=not progress, leave=False)
+    ]
+    return [r for r in runs if r.rows]
+
+
+# --- grouping --------------------------------------------------------------------------------------
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def varying_fields(runs: list[Run]) -> list[str]:
+    """Config fields with more than one value among runs sharing a base label (IGNORED excluded)."""
+    by_base: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for run in runs:
+        by_base[run.base_label].append(run.flat)
+    varying: set[str] = set()
+    for flats in by_base.values():
+        for key in set().union(*flats):
+            if key in IGNORED or key.startswith(IGNORED_PREFIXES):
+                continue
+            if len({_hashable(f.get(key)) for f in flats}) > 1:
+                varying.add(key)
+    return sorted(varying)
+
+
+def short_names(fields: list[str]) -> dict[str, str]:
+    """Each field by its last component ("lr"), or in full where two fields share it."""
+    last = [f.rsplit(".", 1)[-1] for f in fields]
+    return {f: (s if last.count(s) == 1 else f) for f, s in zip(fields, last, strict=True)}
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def sort_key(value: Any) -> tuple:
+    """Numbers before strings, numbers by value: lr 1e-05 sorts before 0.0001."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, str(value))
+
+
+def group_label(run: Run, fields: list[str]) -> str:
+    """Base label plus the run's value of each varying field: "grpo (replay=off) lr=0.0001"."""
+    flat, names = run.flat, short_names(fields)
+    extra = " ".join(f"{names[f]}={_fmt(flat.get(f))}" for f in fields)
+    return f"{run.base_label} {extra}".strip()
+
+
+def group_runs(runs: list[Run], fields: list[str] | None = None) -> dict[str, list[Run]]:
+    """Runs by group label (base label + varying fields), each list sorted by seed; groups in a stable order."""
+    fields = varying_fields(runs) if fields is None else fields
+    groups: dict[str, list[Run]] = defaultdict(list)
+    order: dict[str, tuple] = {}
+    for run in runs:
+        label = group_label(run, fields)
+        groups[label].append(run)
+        flat = run.flat
+        order[label] = (run.base_label, *(sort_key(flat.get(f)) for f in fields))
+    return {label: sorted(groups[label], key=lambda r: r.seed) for label in sorted(groups, key=order.get)}

@@ -1,0 +1,297 @@
+"""moe-rl-analyze: loading runs (local folders, W&B records), grouping by config, tables, figures, report."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from analysis.cli import main as analyze_main
+from analysis.load import group_runs, load_local, load_wandb, read_local_run, run_from_wandb, varying_fields
+from analysis.report import collapse_table, summary_table, write_report
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIGURES = {
+    "reward_vs_step.png",
+    "reward_vs_compute.png",
+    "clip_fraction.png",
+    "expert_change.png",
+    "ratio_variance.png",
+}
+PRESETS = {
+    "grpo": ("grpo", "off", 0.2, 0.27),
+    "grpo_rr": ("grpo", "old", 0.2, 0.27),
+    "gspo": ("gspo", "off", 3e-4, 4e-4),
+}
+
+
+def _config(preset: str, seed: int, lr: float) -> dict:
+    name, replay, low, high = PRESETS[preset]
+    return {
+        "objective": {"name": name, "preset": preset, "clip_low": low, "clip_high": high},
+        "routing": {"replay": replay},
+        "trainer": {"lr": lr, "prompts_per_step": 2, "group_size": 4, "threads": seed},
+        "model": {"num_layers": 2, "seed": 0},
+        "logger": {"group": f"g{seed}"},
+        "seed": seed,
+        "experiment": "hand",
+    }
+
+
+def _metrics(clip: list, collapse_last: float = 0.0) -> list[dict]:
+    rows = []
+    for step, c in enumerate(clip):
+        rows.append({
+            "step": step, "rollout/reward/mean": 0.1 * (step + 1), "rollout/response_len/mean": 3.0 + step,
+            "clip/token_frac": c, "ratio/token/var": "inf" if step == 0 else 0.01 * step,
+            "ratio/token/within_seq_var": 0.001, "routing/expert_change/frac": 0.1,
+            "routing/expert_change/after_one_update": 0.05, "routing/expert_change/layer_0": 0.05,
+            "routing/expert_change/layer_1": 0.15, "time/step_s": 1.0,
+            "collapse/events": collapse_last if step == len(clip) - 1 else 0.0,
+        })  # fmt: skip
+    return rows
+
+
+def _write_run(folder: Path, config: dict, rows: list[dict], events: list[dict] = ()) -> Path:
+    """A run folder as moe-rl-train writes it: metrics.jsonl, events.jsonl, summary.json, .hydra/config.yaml."""
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    label = f"{config['objective']['preset']} (replay={config['routing']['replay']})"
+    summary = {"label": label, "objective": config["objective"]["preset"], "replay": config["routing"]["replay"],
+               "seed": config["seed"], "experiment": config["experiment"]}  # fmt: skip
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+@pytest.fixture
+def hand_sweep(tmp_path: Path) -> Path:
+    """grpo at two lrs (two seeds at 1e-4, one collapsing), gspo at 1e-4; folder names deliberately misleading."""
+    root = tmp_path / "sweep"
+    _write_run(root / "objective=gspo,seed=0", _config("grpo", 0, 1e-4), _metrics([0.1, 0.3, 0.2]))
+    _write_run(root / "objective=gspo,seed=1", _config("grpo", 1, 1e-4), _metrics([0.4, "nan", 0.6], 1.0),
+               [{"step": 2, "kind": "reward", "value": 0.1, "threshold": 0.2}])  # fmt: skip
+    _write_run(root / "lr" / "objective=grpo,seed=0", _config("grpo", 0, 3e-4), _metrics([0.5, 0.5, 0.5]))
+    _write_run(root / "objective=grpo,seed=9", _config("gspo", 0, 1e-4), _metrics([0.0, 0.0, 0.02]))
+    (root / "unfinished").mkdir()
+    (root / "unfinished" / "metrics.jsonl").write_text(
+        json.dumps(_metrics([0.9])[0]) + "\n"
+    )  # no summary.json
+    return root
+
+
+def test_loader_groups_by_config_fields_and_skips_nan(hand_sweep):
+    """Labels come from each run's config (not folder names); a field swept within a preset splits groups, seeds, logger and per-preset clip ranges do not; NaN/inf are left out of means."""
+    runs = load_local([hand_sweep], progress=False)
+    assert len(runs) == 4  # the folder without summary.json is skipped
+    assert varying_fields(runs) == [
+        "trainer.lr"
+    ]  # clip ranges differ only between presets; seed/threads/logger ignored
+    groups = group_runs(runs)
+    assert list(groups) == [
+        "grpo (replay=off) lr=0.0001",
+        "grpo (replay=off) lr=0.0003",
+        "gspo (replay=off) lr=0.0001",
+    ]
+    assert [r.seed for r in groups["grpo (replay=off) lr=0.0001"]] == [0, 1]
+    nan_run = groups["grpo (replay=off) lr=0.0001"][1]
+    assert math.isnan(nan_run.series("clip/token_frac")[1]) and math.isinf(
+        nan_run.series("ratio/token/var")[0]
+    )
+    table = summary_table(groups)["grpo (replay=off) lr=0.0001"]
+    assert table["seeds"] == [0, 1]
+    assert table["clip frac"] == pytest.approx(
+        (0.2 + 0.5) / 2, rel=1e-12
+    )  # seed 1: mean(0.4, 0.6), nan skipped
+    assert table["token-ratio var"] == pytest.approx(
+        0.015, rel=1e-12
+    )  # inf at step 0 skipped: mean(0.01, 0.02)
+    assert table["final reward"] == pytest.approx(0.2, rel=1e-12)
+    collapse = collapse_table(groups)["grpo (replay=off) lr=0.0001"]
+    assert (collapse["seeds"], collapse["collapsed"], collapse["frac"], collapse["kinds"]) == (
+        2,
+        1,
+        0.5,
+        {"reward": 1},
+    )
+
+
+def test_varying_model_field_is_detected_and_labelled(tmp_path):
+    """A swept model.num_layers is found without being named and appears in the labels as num_layers=N."""
+    for layers in (1, 2):
+        config = _config("gspo", 0, 1e-4)
+        config["model"]["num_layers"] = layers
+        _write_run(tmp_path / f"run{layers}", config, _metrics([0.1]))
+    runs = load_local([tmp_path], progress=False)
+    assert varying_fields(runs) == ["model.num_layers"]
+    assert list(group_runs(runs)) == ["gspo (replay=off) num_layers=1", "gspo (replay=off) num_layers=2"]
+
+
+class _FakeWandbRun:
+    """What the W&B public API returns for a run the trainer logged: nested config, history rows with _step."""
+
+    def __init__(self, config: dict, rows: list[dict]):
+        self.config = {"_wandb": {"x": 1}, **config}
+        self._rows = rows
+        self.path = ["ent", "proj", "abc123"]
+
+    def scan_history(self):
+        for row in self._rows:
+            out = {k: ("NaN" if v == "nan" else v) for k, v in row.items() if k != "step"}
+            yield {**out, "_step": row["step"], "_runtime": 1.5, "_timestamp": 1e9}
+
+
+def test_wandb_runs_become_the_same_records_as_local_runs(hand_sweep, monkeypatch):
+    """load_wandb asks the public API for the group's runs and turns each into the Run its local folder gives."""
+    local = read_local_run(hand_sweep / "objective=gspo,seed=1")
+    fake = _FakeWandbRun(local.config, _metrics([0.4, "nan", 0.6], 1.0))
+    calls = []
+
+    class Api:
+        def runs(self, path, filters=None):
+            calls.append((path, filters))
+            return [fake]
+
+    import wandb
+
+    monkeypatch.setattr(wandb, "Api", Api)
+    [remote] = load_wandb("ent/proj", "my-group", progress=False)
+    assert calls == [("ent/proj", {"group": "my-group"})]
+    assert remote.config == local.config and remote.base_label == local.base_label
+    assert remote.source == "wandb:ent/proj/abc123" and remote.events is None
+    assert json.dumps(remote.rows, sort_keys=True) == json.dumps(
+        local.rows, sort_keys=True
+    )  # NaN/inf included, key by key
+    flat = run_from_wandb(
+        _FakeWandbRun({"objective.preset": "gspo", "routing": {"replay": "off"}, "seed": 3}, [])
+    )
+    assert flat.base_label == "gspo (replay=off)" and flat.seed == 3  # dotted W&B keys are nested back
+
+
+def test_report_on_handwritten_runs_links_figures_and_field_tables(hand_sweep, tmp_path):
+    """write_report saves every figure as a PNG, the tables, and a report.md that links them all, with a collapse table per varying field."""
+    out = tmp_path / "report"
+    report = write_report(load_local([hand_sweep], progress=False), out, "hand", [str(hand_sweep)])
+    text = report.read_text()
+    assert {p.name for p in out.glob("*.png")} == FIGURES
+    assert set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)) == FIGURES
+    assert "Collapsed seeds / seeds by `trainer.lr`" in text
+    assert "| 0.0001 | 1/2 | 0/1 |" in text and "| 0.0003 | 0/1 | – |" in text
+
+
+def test_cli_needs_exactly_one_source(tmp_path):
+    """moe-rl-analyze exits with a usage error given both sweep folders and --wandb, neither, or --group alone."""
+    for argv in ([str(tmp_path), "--wandb", "e/p"], [], [str(tmp_path), "--group", "g"]):
+        with pytest.raises(SystemExit) as err:
+            analyze_main([*argv, "--out", str(tmp_path / "out")])
+        assert err.value.code == 2
+
+
+# --- a real sweep --------------------------------------------------------------------------------------
+
+# A fast warm start (few percent accuracy) and a large RL lr: without them every group scores 0, all
+# advantages are 0 and every compared metric is exactly 0, so the table check below could not fail.
+SWEEP = [
+    "objective=grpo,gspo", "seed=0,1", "warmstart.target_low=0.05", "warmstart.target_high=0.9",
+    "warmstart.eval_every=5", "warmstart.eval_size=64", "warmstart.batch_size=32", "warmstart.lr=0.01",
+    "trainer.steps=2", "trainer.lr=0.01", "trainer.warmup_steps=0", "trainer.prompts_per_step=4",
+    "trainer.group_size=4", "trainer.mini_batches=2", "sampler.max_new_tokens=4", "model.num_layers=1",
+    "logger.wandb=false", "logger.progress=false",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def real_sweep(tmp_path_factory) -> tuple[Path, Path]:
+    """A real 2 presets x 2 seeds sweep of moe-rl-train, then moe-rl-analyze on it (both as subprocesses)."""
+    tmp = tmp_path_factory.mktemp("analysis")
+    sweep, out = tmp / "sweep", tmp / "out"
+    train = [sys.executable, "-m", "moe_rl.train", "-m", *SWEEP, f"warmstart.cache_dir={tmp / 'ws'}",
+             f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    subprocess.run(train, cwd=REPO, check=True, capture_output=True, text=True, timeout=900)
+    analyze = [sys.executable, "-m", "analysis.cli", str(sweep), "--out", str(out), "--title", "tiny sweep"]
+    done = subprocess.run(analyze, cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    assert "4 runs" in done.stdout
+    return sweep, out
+
+
+def _independent_table(sweep: Path) -> dict[str, dict[str, list[float]]]:
+    """Per label (from .hydra/config.yaml), per run: the table's columns computed straight from metrics.jsonl."""
+
+    def mean(values):
+        finite = [float(v) for v in values if math.isfinite(float(v))]
+        return sum(finite) / len(finite)
+
+    table: dict[str, dict[str, list[float]]] = {}
+    for metrics in sorted(sweep.rglob("metrics.jsonl")):
+        config = yaml.safe_load((metrics.parent / ".hydra" / "config.yaml").read_text())
+        label = f"{config['objective']['preset']} (replay={config['routing']['replay']})"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+        per_run = {
+            "final reward": mean([r["rollout/reward/mean"] for r in rows[-5:]]),
+            "clip frac": mean([r["clip/token_frac"] for r in rows]),
+            "token-ratio var": mean([r["ratio/token/var"] for r in rows]),
+            "expert change": mean([r["routing/expert_change/frac"] for r in rows]),
+            "collapse events": float(rows[-1]["collapse/events"]),
+            "seed": config["seed"],
+        }
+        for key, value in per_run.items():
+            table.setdefault(label, {}).setdefault(key, []).append(value)
+    return table
+
+
+def test_real_sweep_figures_are_pngs_linked_from_report(real_sweep):
+    """Every figure of a real sweep is a non-trivial PNG, and report.md links each figure and table.json."""
+    _, out = real_sweep
+    text = (out / "report.md").read_text()
+    assert text.startswith("# tiny sweep")
+    assert {p.name for p in out.glob("*.png")} == FIGURES
+    links = set(re.findall(r"\]\(([^)]+)\)", text))
+    assert links == FIGURES | {"table.json"}
+    for name in FIGURES:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
+
+
+def test_real_sweep_table_equals_metrics_recomputed(real_sweep):
+    """The summary table (table.json and the markdown cells) equals the per-label seed means recomputed here from each run's metrics.jsonl."""
+    sweep, out = real_sweep
+    expected = _independent_table(sweep)
+    got = json.loads((out / "table.json").read_text())["summary"]
+    assert set(got) == set(expected) == {"grpo (replay=off)", "gspo (replay=off)"}
+    markdown = (out / "summary_table.md").read_text()
+    nonzero = 0
+    for label, columns in expected.items():
+        assert sorted(got[label]["seeds"]) == sorted(columns["seed"]) == [0, 1]
+        cells = [
+            c.strip()
+            for c in next(line for line in markdown.splitlines() if line.startswith(f"| {label} |")).split(
+                "|"
+            )
+        ]
+        for i, column in enumerate(
+            ["final reward", "clip frac", "token-ratio var", "expert change", "collapse events"]
+        ):
+            value = sum(columns[column]) / len(columns[column])
+            assert got[label][column] == pytest.approx(value, rel=1e-12, abs=0), (label, column)
+            assert cells[3 + i] == f"{value:.4g}", (label, column)
+            nonzero += value != 0
+    assert (
+        nonzero >= 4
+    )  # the check is not vacuous: the warm-started runs have real clip fractions, variances, ...
+
+
+def test_real_sweep_collapse_table_counts_seeds_with_events(real_sweep):
+    """The collapse table gives, per label, the seeds whose metrics.jsonl ends with collapse/events > 0."""
+    sweep, out = real_sweep
+    expected = _independent_table(sweep)
+    got = json.loads((out / "table.json").read_text())["collapse"]
+    for label, columns in expected.items():
+        collapsed = sum(events > 0 for events in columns["collapse events"])
+        assert (got[label]["seeds"], got[label]["collapsed"]) == (2, collapsed)
+        assert got[label]["events"] == sum(columns["collapse events"])
