@@ -225,3 +225,13 @@ def test_bf16_sampler_shows_mismatch_and_fp32_does_not(tmp_path):
     bf16 = train(compose_config([*base, "trainer.sampler_dtype=bfloat16"]), tmp_path / "bf16")["final"]
     assert fp32["mismatch/logp_abs_diff/mean"] < 1e-5 and fp32["routing/rollout_vs_old/frac"] == 0.0
     assert bf16["mismatch/logp_abs_diff/mean"] > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _options("experiment"))
+def test_every_experiment_runs_two_steps(tmp_path, name):
+    """Every experiment config composes and runs two RL steps at a tiny size."""
+    tiny = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.mini_batches=2",
+            "model.num_layers=1", "logger.progress=false", "logger.wandb=false", "warmstart.enabled=false"]
+    summary = train(compose_config([f"+experiment={name}", *tiny]), tmp_path / name)
+    assert summary["steps_done"] == 2 and summary["experiment"] == name

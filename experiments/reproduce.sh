@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Reproduce one of the GSPO paper's ablations: run its sweep, then draw its figures and tables.
+#
+#   experiments/reproduce.sh stability        # or clipping, volatility, length, replay_source, collapse_stress
+#   experiments/reproduce.sh stability trainer.steps=200 model=deep   # scale up with any Hydra overrides
+#
+# The sweep goes to multirun/<name>/, the report (report.md, PNGs, tables) to results/<name>/.
+set -euo pipefail
+name=${1:?usage: experiments/reproduce.sh NAME [HYDRA OVERRIDES...]}
+shift
+sweep_dir=multirun/$name
+moe-rl-train -m "+experiment=$name" "hydra.sweep.dir=$sweep_dir" "$@"
+moe-rl-analyze "$sweep_dir" --out "results/$name" --title "moe-rl: $name"
