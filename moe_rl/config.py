@@ -16,6 +16,7 @@ from moe_rl.tasks import TASKS, make_task
 from moe_rl.warmstart import WarmStartConfig
 
 REPLAY_SOURCES = ("off", "old", "rollout")
+PARALLEL = ("ddp", "fsdp")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -27,6 +28,9 @@ class TaskConfig:
     """One of moe_rl.tasks.TASKS: arithmetic, sort, countdown."""
     difficulty: int = 1
     """The task's knob: operand digits (arithmetic), items (sort), numbers (countdown)."""
+    chat_template: bool = False
+    """Wrap each prompt as one user turn in the tokenizer's chat template (pretrained chat models); the
+    run stops with an error if the tokenizer has none. Needs warmstart.enabled=false."""
 
 
 @dataclass
@@ -89,6 +93,11 @@ class TrainerConfig:
     sampler_dtype: str | None = None
     """Sample with a separate copy of the policy in this dtype (e.g. bfloat16, as a low-precision
     inference engine would), synced after every step; None samples with the trained model itself."""
+    parallel: str = "ddp"
+    """Under torchrun with several processes: ddp (each rank holds the whole model; gradients are
+    all-reduced) or fsdp (FSDP2: parameters, gradients and optimizer state sharded over ranks)."""
+    dist_timeout_s: int = 300
+    """Seconds a collective waits for the other ranks before the job fails (a dead or hung rank)."""
 
 
 @dataclass
@@ -204,6 +213,14 @@ class Config:
             )
         if t.sampler_dtype is not None and t.sampler_dtype not in DTYPES:
             raise ValueError(f"trainer.sampler_dtype={t.sampler_dtype!r}: expected one of {DTYPES} or null")
+        if t.parallel not in PARALLEL:
+            raise ValueError(f"trainer.parallel={t.parallel!r}: expected one of {PARALLEL}")
+        if t.dist_timeout_s < 1:
+            raise ValueError(f"trainer.dist_timeout_s={t.dist_timeout_s}: must be >= 1")
+        if self.task.chat_template and self.warmstart.enabled:
+            raise ValueError(
+                "task.chat_template=true needs warmstart.enabled=false: the warm start trains on plain prompts"
+            )
         if t.device not in ("cpu", "cuda") and not t.device.startswith("cuda:"):
             raise ValueError(f"trainer.device={t.device!r}: expected cpu or cuda[:N]")
         c = self.collapse

@@ -10,7 +10,9 @@ Config groups live in `conf/`; the typed schema is `moe_rl.config.Config`.
 
 from __future__ import annotations
 
+import json
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -38,19 +40,40 @@ def to_config(cfg: DictConfig) -> Config:
     return config
 
 
+def record_failure(run_dir: Path, err: BaseException) -> None:
+    """Leave failed.json (the error and its traceback) in a failed sweep job's folder."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exception(err)}
+    (run_dir / "failed.json").write_text(json.dumps(record, indent=2))
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    """Validate, then train; returns the final mean reward (Hydra sweepers can optimise it)."""
+    """Validate, then train; returns the final mean reward (Hydra sweepers can optimise it).
+
+    In a sweep a failing job records failed.json and raises: Hydra's launchers then run the other jobs
+    and report the failure at the end (sys.exit would end the whole sweep at once).
+    """
+    hc = HydraConfig.get()
+    sweeping = hc.mode.name == "MULTIRUN"
+    run_dir = Path(hc.runtime.output_dir)
     try:
         config = to_config(cfg)
     except ValueError as err:
         print(f"moe-rl-train: invalid config: {err}", file=sys.stderr)
-        sys.exit(2)
+        if not sweeping:
+            sys.exit(2)
+        record_failure(run_dir, err)
+        raise
     from moe_rl.trainer.run import train  # heavy imports only after the config is known to be good
 
-    hc = HydraConfig.get()
-    group = Path(hc.sweep.dir).name if hc.mode.name == "MULTIRUN" else None
-    summary = train(config, Path(hc.runtime.output_dir), wandb_group=group)
+    group = Path(hc.sweep.dir).name if sweeping else None
+    try:
+        summary = train(config, run_dir, wandb_group=group)
+    except Exception as err:
+        if sweeping:
+            record_failure(run_dir, err)
+        raise
     return summary["final"].get("rollout/reward/mean", float("nan"))
 
 

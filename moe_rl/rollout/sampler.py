@@ -11,6 +11,7 @@ Shape legend: B rows, P prompt length, R response length, S = P + R, V vocabular
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,9 +78,18 @@ class Rollout:
 
 
 def _draw(
-    logits_BV: torch.Tensor, cfg: SamplerConfig, banned: list[int], generator: torch.Generator
+    logits_BV: torch.Tensor,
+    cfg: SamplerConfig,
+    banned: list[int],
+    generator: torch.Generator,
+    rows: slice = slice(None),
+    total_rows: int | None = None,
 ) -> torch.Tensor:
-    """Draw one token per row from temperature-scaled, top-p-truncated logits, never a banned token."""
+    """Draw one token per row from temperature-scaled, top-p-truncated logits, never a banned token.
+
+    The noise is drawn for `total_rows` rows (default: these rows) and `rows` of it are used, so a row's
+    draw does not depend on how the batch is split across processes.
+    """
     logits_BV = logits_BV.float().clone()
     logits_BV[:, banned] = float("-inf")
     if cfg.temperature == 0:
@@ -90,7 +100,8 @@ def _draw(
         drop_BV = sorted_BV.cumsum(-1) - sorted_BV >= cfg.top_p  # keep tokens until the mass reaches top_p
         probs_BV = probs_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, 0.0))
     # Exponential race: argmax p / E with E ~ Exp(1) draws from p (one kernel, seeded, no multinomial).
-    noise_BV = torch.empty_like(probs_BV).exponential_(generator=generator)
+    shape = (total_rows or probs_BV.shape[0], probs_BV.shape[1])
+    noise_BV = probs_BV.new_empty(shape).exponential_(generator=generator)[rows]
     return (probs_BV / noise_BV).argmax(-1)
 
 
@@ -103,12 +114,20 @@ def sample(
     *,
     generator: torch.Generator,
     controller: RoutingController | None = None,
+    rows: slice = slice(None),
+    all_done: Callable[[bool], bool] | None = None,
 ) -> Rollout:
-    """Sample one completion per prompt (repeat prompts for groups). Records routing when given a controller."""
+    """Sample one completion per prompt (repeat prompts for groups). Records routing when given a controller.
+
+    Data parallel (moe_rl.trainer.distributed): `rows` samples only those rows of `prompts`, with the
+    padding and random noise of the whole list, so a row's completion is the same however the list is
+    split across processes. `all_done(this process is done)` says whether every process is done, for
+    models whose forward is a collective (FSDP): decoding then stops on all processes together.
+    """
     cfg.validate()
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    prompt_ids_BP, prompt_mask_BP = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    prompt_ids_BP, prompt_mask_BP = enc["input_ids"][rows].to(device), enc["attention_mask"][rows].to(device)
     B, P = prompt_ids_BP.shape
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     # Special tokens other than EOS are never drawn (nor EOS itself when suppressed).
@@ -136,7 +155,7 @@ def sample(
                 logits_to_keep=1,
             )
             logits_BV = out.logits[:, -1]
-            tok_B = _draw(logits_BV, cfg, banned, generator)
+            tok_B = _draw(logits_BV, cfg, banned, generator, rows, len(prompts))
             tok_B = torch.where(alive_B, tok_B, torch.full_like(tok_B, pad))
             tokens_BR[:, t] = tok_B
             logp_BV = torch.log_softmax(logits_BV.float() / (cfg.temperature or 1.0), dim=-1)
@@ -145,7 +164,8 @@ def sample(
             lengths_B += alive_B.long()
             alive_B &= tok_B != eos
             steps = t + 1
-            if not alive_B.any():
+            done = not alive_B.any()
+            if all_done(done) if all_done is not None else done:
                 break
             feed_BT, start = tok_B.unsqueeze(1), end
     tokens_BR, logp_BR, entropy_BR = tokens_BR[:, :steps], logp_BR[:, :steps], entropy_BR[:, :steps]

@@ -1,9 +1,16 @@
-"""A whole run: build (or warm-start) the policy, loop over RL steps, log, checkpoint, resume."""
+"""A whole run: build (or warm-start) the policy, loop over RL steps, log, checkpoint, resume.
+
+Under `torchrun` with several processes (moe_rl.trainer.distributed) every rank runs `train`; only rank
+0 writes metrics, events, the summary, checkpoints and W&B, into rank 0's run folder. Every rank's RNGs
+are in the same state after a step (the sampling generator is re-seeded from (seed, step) and every
+rank draws the same mini-batches), so a checkpoint holds rank 0's, and every rank loads it on resume.
+"""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import math
 import time
@@ -11,7 +18,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
 from moe_rl.models import build_model, build_tokenizer
@@ -19,6 +26,16 @@ from moe_rl.routing import RoutingController
 from moe_rl.tasks import make_task
 from moe_rl.trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from moe_rl.trainer.collapse import CollapseDetector
+from moe_rl.trainer.distributed import (
+    Dist,
+    check_world,
+    init_distributed,
+    load_state_dicts,
+    param_checksum,
+    shard,
+    state_dicts,
+    wrap,
+)
 from moe_rl.trainer.logging import LocalLog, NullWandb, open_wandb
 from moe_rl.trainer.step import StepContext, rl_step
 from moe_rl.warmstart import warm_start
@@ -29,12 +46,20 @@ def run_label(cfg: Config) -> str:
     return f"{cfg.objective.preset} (replay={cfg.routing.replay})"
 
 
-def _policy(cfg: Config):
-    """The initial policy: warm-started (cached) when enabled, else freshly built."""
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """A saved tokenizer, set up for batched sampling: left padding, and EOS as the pad token when it has
+    none (Mixtral's): the sampler masks everything after a response's first EOS."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _policy(cfg: Config, progress: bool):
+    """The initial policy: warm-started (cached) when enabled, else freshly built or loaded."""
     if not cfg.warmstart.enabled:
-        tokenizer = (
-            AutoTokenizer.from_pretrained(cfg.model.pretrained) if cfg.model.pretrained else build_tokenizer()
-        )
+        tokenizer = load_tokenizer(cfg.model.pretrained) if cfg.model.pretrained else build_tokenizer()
         return build_model(cfg.model, tokenizer), tokenizer, None
     ws = warm_start(
         cfg.model,
@@ -43,27 +68,38 @@ def _policy(cfg: Config):
         cfg.warmstart,
         cfg.seed,
         max_new_tokens=cfg.sampler.max_new_tokens,
-        progress=cfg.logger.progress,
+        progress=progress,
         device=cfg.trainer.device,
     )
     model = build_model(dataclasses.replace(cfg.model, pretrained=str(ws.path)))
     return model, AutoTokenizer.from_pretrained(ws.path), ws
 
 
-def _context(cfg: Config) -> tuple[StepContext, dict]:
+def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
+    dist = dist or Dist()
     torch.manual_seed(cfg.seed)
-    model, tokenizer, ws = _policy(cfg)
-    device = torch.device(cfg.trainer.device)
-    model.to(device)
+    model, tokenizer, ws = _policy(cfg, progress=cfg.logger.progress and dist.main)
+    if cfg.task.chat_template and not tokenizer.chat_template:
+        raise ValueError(
+            f"task.chat_template=true, but the tokenizer of {cfg.model.pretrained or 'the built model'} has no "
+            "chat template: set task.chat_template=false"
+        )
     t = cfg.trainer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps))
-    )
+    sharded = dist.world > 1 and t.parallel == "fsdp"
+    if not sharded:  # FSDP2 moves each layer's shard to this rank's device as it shards it
+        model.to(torch.device(t.device))
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.objective.beta > 0 else None
     sampler = None
     if t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype:
         sampler = copy.deepcopy(model).to(getattr(torch, t.sampler_dtype)).eval().requires_grad_(False)
+    train_model = wrap(model, t.parallel, dist, t.device)
+    if sharded and ref is not None:
+        shard(ref)
+    # After wrap: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps))
+    )
     ctx = StepContext(
         cfg,
         model,
@@ -72,22 +108,27 @@ def _context(cfg: Config) -> tuple[StepContext, dict]:
         make_task(cfg.task.name, cfg.task.difficulty),
         optimizer,
         scheduler,
-        torch.Generator(device).manual_seed(cfg.seed),
+        torch.Generator(torch.device(t.device)).manual_seed(cfg.seed),
         torch.Generator().manual_seed(cfg.seed + 1),
         CollapseDetector(cfg.collapse),
         ref,
         sampler,
         RoutingController(sampler) if sampler is not None else None,
+        dist,
+        train_model,
+        sharded,
     )
     info = {"warmstart_accuracy": ws.accuracy if ws else None, "warmstart_path": str(ws.path) if ws else None}
     return ctx, info
 
 
 def _state(ctx: StepContext, next_step: int) -> dict:
+    """Everything to resume from; under FSDP a collective (the full state dicts are gathered to rank 0)."""
+    model_sd, optimizer_sd = state_dicts(ctx.model, ctx.optimizer, ctx.sharded)
     return {
         "step": next_step,
-        "model": ctx.model.state_dict(),
-        "optimizer": ctx.optimizer.state_dict(),
+        "model": model_sd,
+        "optimizer": optimizer_sd,
         "scheduler": ctx.scheduler.state_dict(),
         "detector": ctx.detector.state_dict(),
         "rng": rng_state({"sample": ctx.sample_gen, "shuffle": ctx.shuffle_gen}),
@@ -95,8 +136,7 @@ def _state(ctx: StepContext, next_step: int) -> dict:
 
 
 def _restore(ctx: StepContext, state: dict) -> int:
-    ctx.model.load_state_dict(state["model"])
-    ctx.optimizer.load_state_dict(state["optimizer"])
+    load_state_dicts(ctx.model, ctx.optimizer, state["model"], state["optimizer"], ctx.sharded)
     ctx.scheduler.load_state_dict(state["scheduler"])
     ctx.detector.load_state_dict(state["detector"])
     set_rng_state(state["rng"], {"sample": ctx.sample_gen, "shuffle": ctx.shuffle_gen})
@@ -104,20 +144,37 @@ def _restore(ctx: StepContext, state: dict) -> int:
     return state["step"]
 
 
+class _NullLog:
+    """Stands in for LocalLog on ranks other than 0, which write nothing."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def event(self, event: dict) -> None:
+        pass
+
+
 def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict:
-    """Run RL as configured, writing metrics.jsonl, events.jsonl, summary.json and checkpoints to run_dir."""
+    """Run RL as configured, writing metrics.jsonl, events.jsonl, summary.json and checkpoints to run_dir.
+
+    Under torchrun every rank calls this and gets the same summary; rank 0 writes (module docstring).
+    """
     cfg.validate()
+    dist, device = init_distributed(cfg.trainer)
+    check_world(cfg.trainer, dist.world)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
+    run_dir = Path(dist.broadcast(str(run_dir)))  # Hydra's timestamped folder may differ by a second
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
-    ctx, info = _context(cfg)
+    ctx, info = _context(cfg, dist)
     state = load_checkpoint(run_dir) if cfg.resume else None
     start = _restore(ctx, state) if state else 0
-    local = LocalLog(run_dir, resume_step=start if state else None)
+    local = LocalLog(run_dir, resume_step=start if state else None) if dist.main else _NullLog()
     config_dict = dataclasses.asdict(cfg)
     lg = cfg.logger
     wb = NullWandb()
-    if lg.wandb and lg.mode != "disabled":
+    if dist.main and lg.wandb and lg.mode != "disabled":
         tags = [cfg.objective.preset, f"replay={cfg.routing.replay}", cfg.experiment, *lg.tags]
         wb = open_wandb(
             run_dir,
@@ -136,12 +193,14 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         initial=start,
         total=cfg.trainer.steps,
         desc=run_label(cfg),
-        disable=not lg.progress,
+        disable=not (lg.progress and dist.main),
         dynamic_ncols=True,
     )
     metrics: dict[str, float] = {}
+    steps_done = start
     for step in bar:
         metrics = rl_step(ctx, step)
+        steps_done = step + 1
         local.log(step, metrics)
         wb.log(metrics, step=step)
         new = [e for e in ctx.detector.events if e.step == step]
@@ -156,7 +215,9 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             or stopped_on
             or (cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0)
         ):
-            save_checkpoint(run_dir, _state(ctx, step + 1))
+            state = _state(ctx, step + 1)
+            if dist.main:
+                save_checkpoint(run_dir, state)
         if stopped_on:
             break
     bar.close()
@@ -166,21 +227,23 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         "replay": cfg.routing.replay,
         "seed": cfg.seed,
         "experiment": cfg.experiment,
-        "steps_done": len(_read_steps(run_dir)),
+        "steps_done": steps_done,
         "stopped_on_collapse": stopped_on,
         "collapse_events": [dataclasses.asdict(e) for e in ctx.detector.events],
         "final": {k: v for k, v in metrics.items() if isinstance(v, float) and math.isfinite(v)},
         "seconds_this_session": time.perf_counter() - t0,
+        "world_size": dist.world,
+        # Equal on every rank under DDP (each rank's own shards under FSDP): a check that ranks agree.
+        "param_checksum_by_rank": dist.gather(param_checksum(ctx.model)),
         **info,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if dist.main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     wb.summary({"stopped_on_collapse": bool(stopped_on), "collapse/total": len(ctx.detector.events)})
     wb.finish()
+    # DDP's reducer holds the process group: free it first, or the group could go with the reducer, whose
+    # destructor joins gloo's threads while holding the GIL they need (torch issue #56297: a deadlock).
+    ctx.train_model = None
+    gc.collect()
+    dist.close()
     return summary
-
-
-def _read_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    return (
-        [json.loads(line)["step"] for line in path.read_text().splitlines() if line] if path.exists() else []
-    )

@@ -1,7 +1,14 @@
 """One RL step: sample, score, old-policy forward, then M mini-batch updates with optional routing replay.
 
-Shape legend: B rollout rows (P prompts x G completions), b mini-batch rows, S sequence (prompt P +
-response R), S1 = S - 1 positions a forward sees, L MoE layers, K top-k.
+Shape legend: B rollout rows (P prompts x G completions; this rank's share under data parallelism), b
+mini-batch rows, S sequence (prompt P + response R), S1 = S - 1 positions a forward sees, L MoE layers,
+K top-k, M mini-batches, C runs of M consecutive rows.
+
+Data parallel (moe_rl.trainer.distributed): rank r samples its contiguous share of the P x G rows, so a
+group's completions stay on one rank; the mini-batches are drawn for the global batch identically on
+every rank; metrics are gathered and reduced identically on every rank before anyone logs them, so the
+collapse detector decides the same everywhere. With the same seed and global batch, W processes train
+as one does, up to float reduction order.
 
 Where this departs from the GSPO paper: the old-policy log-probs are computed per mini-batch, on the
 same rows the update will use, so that the first (on-policy) mini-batch reproduces them bitwise and
@@ -16,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
@@ -34,6 +42,7 @@ from moe_rl.routing import (
 )
 from moe_rl.tasks import Task
 from moe_rl.trainer.collapse import CollapseDetector
+from moe_rl.trainer.distributed import Dist, minibatch_rows, reduce_metrics
 
 
 @dataclass
@@ -43,7 +52,7 @@ class Batch:
     input_ids_BS: torch.Tensor
     attention_mask_BS: torch.Tensor
     response_mask_BR: torch.Tensor
-    valid_BS1: torch.Tensor  # positions a forward sees that hold real tokens (routing metrics)
+    valid_BS1: torch.Tensor  # positions a forward sees that hold real tokens predicting real tokens
     adv_B: torch.Tensor
     sampler_logp_BR: torch.Tensor
     sampler_trace: RoutingTrace | None
@@ -56,7 +65,9 @@ class Batch:
             roll.input_ids_BS[perm_B],
             roll.attention_mask_BS[perm_B],
             roll.response_mask_BR[perm_B],
-            valid_BS[perm_B, :-1],
+            # A real token followed by a real token: a row's last token counts nowhere, however far the
+            # batch is padded after it (on one rank or split over several).
+            (valid_BS[:, :-1] & valid_BS[:, 1:])[perm_B],
             adv_B[perm_B],
             roll.logp_BR[perm_B],
             trace,
@@ -86,6 +97,21 @@ class StepContext:
     sampler_model: PreTrainedModel | None = None
     """A separate sampler copy of the policy at another precision (trainer.sampler_dtype), else None."""
     sampler_controller: RoutingController | None = None
+    dist: Dist = field(default_factory=Dist)
+    """This process's rank and the job's size; a single process by default."""
+    train_model: nn.Module | None = None
+    """What the update forward calls: the DDP wrapper (its backward averages gradients over ranks), else
+    the model itself (None). Sampling and old-policy forwards call `model`, which is never a wrapper."""
+    sharded: bool = False
+    """The policy is FSDP2-sharded: its every forward is a collective, so ranks sample in lock-step."""
+
+    def __post_init__(self) -> None:
+        if self.train_model is None:
+            self.train_model = self.model
+
+    def prompt(self, text: str) -> str:
+        """A task prompt as the model sees it: plain, or one user turn of the chat template (task.chat_template)."""
+        return chat_prompt(self.tokenizer, text) if self.cfg.task.chat_template else text
 
     def sync_sampler(self) -> None:
         """Copy the trained weights into the sampler copy (cast to its dtype), as an inference engine would."""
@@ -93,29 +119,59 @@ class StepContext:
             self.sampler_model.load_state_dict(self.model.state_dict())
 
 
-def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor, dict[str, float]]:
-    cfg, t = ctx.cfg, ctx.cfg.trainer
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
+    """`text` as one user turn of the tokenizer's chat template, ending where the assistant's answer starts.
+
+    A BOS the template writes is dropped when the tokenizer adds its own, so it is not doubled.
+    """
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    bos = tokenizer.bos_token
+    if bos and chat.startswith(bos) and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]:
+        chat = chat[len(bos) :]
+    return chat
+
+
+def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor]:
+    """Sample and score this rank's rows of the step's P x G completions."""
+    cfg, t, d = ctx.cfg, ctx.cfg.trainer, ctx.dist
     examples = ctx.task.examples("train", t.prompts_per_step, seed=cfg.seed * 1_000_003 + step)
-    prompts = [ex.prompt for ex in examples for _ in range(t.group_size)]
+    examples_B = [ex for ex in examples for _ in range(t.group_size)]
+    prompts = [ctx.prompt(ex.prompt) for ex in examples]
+    share = len(examples_B) // d.world
+    rows = slice(d.rank * share, (d.rank + 1) * share)
     model, controller = ctx.model, ctx.controller
     if ctx.sampler_model is not None:
         model, controller = ctx.sampler_model, ctx.sampler_controller
     model.eval()
-    roll = sample(model, ctx.tokenizer, prompts, cfg.sampler, generator=ctx.sample_gen, controller=controller)
-    rewards = [
-        ctx.task.reward(ex, text)
-        for ex, text in zip([ex for ex in examples for _ in range(t.group_size)], roll.texts, strict=True)
-    ]
-    rewards_B = torch.tensor(rewards, dtype=torch.float32)
-    mask = roll.response_mask_BR
-    metrics = {
-        "rollout/reward/mean": rewards_B.mean().item(),
-        "rollout/reward/std": rewards_B.std().item(),
-        "rollout/accuracy": (rewards_B == 1).float().mean().item(),
-        "rollout/response_len/mean": mask.sum(1).float().mean().item(),
-        "rollout/entropy/mean": (roll.entropy_BR[mask].mean().item()),
+    # Re-seeded from (seed, step) every step: ranks stop decoding when their own rows end, so the number
+    # of draws so far differs between ranks, and must not decide later steps' noise.
+    ctx.sample_gen.manual_seed(cfg.seed * 1_000_003 + step)
+    roll = sample(
+        model,
+        ctx.tokenizer,
+        [prompt for prompt in prompts for _ in range(t.group_size)],
+        cfg.sampler,
+        generator=ctx.sample_gen,
+        controller=controller,
+        rows=rows,
+        all_done=d.all_done if ctx.sharded else None,
+    )
+    rewards = [ctx.task.reward(ex, text) for ex, text in zip(examples_B[rows], roll.texts, strict=True)]
+    return roll, torch.tensor(rewards, dtype=torch.float32)
+
+
+def _rollout_metrics(rows: list[list[float]]) -> dict[str, float]:
+    """Rollout metrics over all ranks' rows, each row (reward, response tokens, summed token entropy)."""
+    reward_B, length_B, entropy_B = torch.tensor(rows, dtype=torch.float64).T
+    return {
+        "rollout/reward/mean": reward_B.mean().item(),
+        "rollout/reward/std": reward_B.std().item(),
+        "rollout/accuracy": (reward_B == 1).double().mean().item(),
+        "rollout/response_len/mean": length_B.mean().item(),
+        "rollout/entropy/mean": (entropy_B.sum() / length_B.sum()).item(),
     }
-    return roll, rewards_B, metrics
 
 
 @torch.no_grad()
@@ -140,8 +196,26 @@ def _old_policy(
     return logps, traces
 
 
+def _loss_scales(ctx: StepContext, batch: Batch, slices: list[slice]) -> list[float]:
+    """Per mini-batch, the factor on this rank's loss that makes the average over ranks (DDP's gradient
+    average) the global mini-batch loss. Every rank holds as many rows of each mini-batch, so it is 1 when
+    the loss is a mean over sequences; token-mean divides by the token count, which differs, so there it
+    is W x this rank's tokens / all ranks' tokens."""
+    if ctx.cfg.objective.loss_agg != "token-mean":
+        return [1.0] * len(slices)
+    tokens = [float(batch.response_mask_BR[sl].sum()) for sl in slices]
+    totals = ctx.dist.sum(tokens)
+    return [ctx.dist.world * n / max(total, 1.0) for n, total in zip(tokens, totals, strict=True)]
+
+
 def _update(
-    ctx: StepContext, step: int, batch: Batch, sl: slice, old_logp_bR: torch.Tensor, old_trace: RoutingTrace
+    ctx: StepContext,
+    step: int,
+    batch: Batch,
+    sl: slice,
+    old_logp_bR: torch.Tensor,
+    old_trace: RoutingTrace,
+    loss_scale: float = 1.0,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """One optimizer step on a mini-batch; returns its metrics and per-layer expert change."""
     cfg = ctx.cfg
@@ -156,7 +230,7 @@ def _update(
     temperature = cfg.sampler.temperature or 1.0
     replaying = ctx.controller.replay(replay) if replay is not None else contextlib.nullcontext()
     with ctx.controller.record() as rec, replaying:
-        logp_bR = response_logprobs(ctx.model, ids_bS, attn_bS, R, temperature)
+        logp_bR = response_logprobs(ctx.train_model, ids_bS, attn_bS, R, temperature)
     change_L = expert_change_by_layer(rec.trace, old_trace, batch.valid_BS1[sl])
     ref_logp = None
     if ctx.ref_model is not None:
@@ -176,13 +250,17 @@ def _update(
         ref_logp=ref_logp,
         extreme_band=tuple(o.extreme_band),
     )
+    loss = loss * loss_scale
     metrics["train/loss"] = loss.item()
     metrics["train/grad_norm"] = math.nan
-    if not math.isfinite(metrics["train/loss"]):
-        ctx.detector.nonfinite(step, metrics["train/loss"])
+    # Every rank must skip or take the update alike (a backward is a collective): decide on the sum.
+    loss_sum = ctx.dist.sum([metrics["train/loss"]])[0]
+    if not math.isfinite(loss_sum):
+        ctx.detector.nonfinite(step, loss_sum / ctx.dist.world)
         return metrics, change_L
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), cfg.trainer.grad_clip).item()
+    ctx.dist.collective(loss.backward)  # DDP and FSDP reduce gradients across ranks in backward
+    norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), cfg.trainer.grad_clip)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     metrics["train/grad_norm"] = grad_norm
     if math.isfinite(grad_norm):
         ctx.optimizer.step()
@@ -194,34 +272,36 @@ def _update(
 
 
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
-    """Run one RL step and return its metrics (see the metric table in moe_rl/trainer/__init__.py)."""
-    cfg, t = ctx.cfg, ctx.cfg.trainer
+    """Run one RL step and return its metrics (see the metric table in moe_rl/trainer/__init__.py).
+
+    Under data parallelism every rank returns the same metrics, reduced over ranks.
+    """
+    cfg, t, d = ctx.cfg, ctx.cfg.trainer, ctx.dist
     t0 = time.perf_counter()
-    roll, rewards_B, metrics = _rollout(ctx, step)
+    roll, rewards_B = _rollout(ctx, step)
     adv_B = group_advantages(rewards_B, t.group_size, normalize_std=cfg.objective.normalize_std)
-    perm_B = torch.randperm(len(rewards_B), generator=ctx.shuffle_gen)
+    # This rank's runs of M rows in every mini-batch, as indices into its own rows.
+    rows_MC = minibatch_rows(t.prompts_per_step * t.group_size, t.mini_batches, ctx.shuffle_gen)
+    c = rows_MC.shape[1] // d.world
+    perm_B = (rows_MC[:, d.rank * c : (d.rank + 1) * c] - d.rank * len(rewards_B)).reshape(-1)
     batch = Batch.from_rollout(roll, adv_B.to(roll.logp_BR.device), perm_B.to(roll.logp_BR.device))
-    b = len(perm_B) // t.mini_batches
-    slices = [slice(j * b, (j + 1) * b) for j in range(t.mini_batches)]
+    slices = [slice(j * c, (j + 1) * c) for j in range(t.mini_batches)]
     t1 = time.perf_counter()
     old_logps, old_traces = _old_policy(ctx, batch, slices)
     old_trace = RoutingTrace.cat(old_traces)
     t2 = time.perf_counter()
 
     per_mb, changes = [], []
-    for j, sl in enumerate(slices):
-        m, change_L = _update(ctx, step, batch, sl, old_logps[j], old_traces[j])
+    for j, scale in enumerate(_loss_scales(ctx, batch, slices)):
+        m, change_L = _update(ctx, step, batch, slices[j], old_logps[j], old_traces[j], scale)
         per_mb.append(m)
         changes.append(change_L)
     ctx.sync_sampler()
     t3 = time.perf_counter()
 
-    for key in per_mb[0]:
-        metrics[key] = _mean([m[key] for m in per_mb])
-    metrics["train/lr"] = ctx.scheduler.get_last_lr()[0]
-    metrics.update(_routing_metrics(batch, old_trace, torch.cat(old_logps), changes, cfg.routing.replay))
+    local = _routing_metrics(batch, old_trace, torch.cat(old_logps), cfg.routing.replay)
     tokens = int(batch.valid_BS1.sum()) + len(perm_B)
-    metrics.update(
+    local.update(
         {
             "time/step_s": t3 - t0,
             "time/rollout_s": t1 - t0,
@@ -231,6 +311,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
             "throughput/sampler_tokens_per_s": int(roll.response_mask_BR.sum()) / (t1 - t0),
         }
     )
+    metrics, per_mb = _reduced_metrics(ctx, roll, rewards_B, batch, slices, per_mb, changes, local)
     extremes = {
         "ratio/token/max": max(m["ratio/token/max"] for m in per_mb),
         "ratio/token/min": min(m["ratio/token/min"] for m in per_mb),
@@ -241,12 +322,65 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     return metrics
 
 
+def _reduced_metrics(
+    ctx: StepContext,
+    roll: Rollout,
+    rewards_B: torch.Tensor,
+    batch: Batch,
+    slices: list[slice],
+    per_mb: list[dict[str, float]],
+    changes: list[torch.Tensor],
+    local: dict[str, float],
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """The step's metrics over all ranks (one gather; identical on every rank), and each mini-batch's."""
+    mask_BR = roll.response_mask_BR
+    rows = [
+        rewards_B.double(),
+        mask_BR.sum(1).double().cpu(),
+        (roll.entropy_BR * mask_BR).sum(1).double().cpu(),
+    ]
+    ranks = ctx.dist.gather(
+        {
+            "rows": torch.stack(rows, 1).tolist(),
+            "per_mb": per_mb,
+            "changes": [change_L.tolist() for change_L in changes],
+            "mb_counts": [_counts(batch, sl) for sl in slices],
+            "local": local,
+            "counts": _counts(batch, slice(None)),
+        }
+    )
+    metrics = _rollout_metrics([row for r in ranks for row in r["rows"]])
+    M = len(slices)
+    mb_counts = [[r["mb_counts"][j] for r in ranks] for j in range(M)]
+    per_mb = [reduce_metrics([r["per_mb"][j] for r in ranks], mb_counts[j]) for j in range(M)]
+    for key in per_mb[0]:
+        metrics[key] = _mean([m[key] for m in per_mb])
+    metrics["train/lr"] = ctx.scheduler.get_last_lr()[0]
+    # Each mini-batch's per-layer expert change over all ranks: a mean over valid positions.
+    changes = [
+        sum(torch.tensor(r["changes"][j]) * c["positions"] for r, c in zip(ranks, mb_counts[j], strict=True))
+        / sum(c["positions"] for c in mb_counts[j])
+        for j in range(M)
+    ]
+    metrics.update(_change_metrics(changes))
+    metrics.update(reduce_metrics([r["local"] for r in ranks], [r["counts"] for r in ranks]))
+    return metrics, per_mb
+
+
+def _counts(batch: Batch, sl: slice) -> dict[str, float]:
+    """Rows, response tokens and valid forward positions of a slice of the batch (metric weights)."""
+    return {
+        "rows": float(batch.response_mask_BR[sl].shape[0]),
+        "tokens": float(batch.response_mask_BR[sl].sum()),
+        "positions": float(batch.valid_BS1[sl].sum()),
+    }
+
+
 def _routing_metrics(
-    batch: Batch, old_trace: RoutingTrace, old_logp_BR: torch.Tensor, changes: list[torch.Tensor], replay: str
+    batch: Batch, old_trace: RoutingTrace, old_logp_BR: torch.Tensor, replay: str
 ) -> dict[str, float]:
     valid = batch.valid_BS1
     out = {
-        "routing/expert_change/first_minibatch": float(changes[0].mean()),
         "routing/load_cv/mean": float(expert_load(old_trace, valid)["cv"].mean()),
         "routing/entropy/mean": float(router_entropy(old_trace, valid).mean()),
         # Bytes of expert ids a replay must hold for the step (logits are recorded for metrics only).
@@ -257,6 +391,12 @@ def _routing_metrics(
     }
     if batch.sampler_trace is not None:
         out["routing/rollout_vs_old/frac"] = expert_change_fraction(batch.sampler_trace, old_trace, valid)
+    return out
+
+
+def _change_metrics(changes: list[torch.Tensor]) -> dict[str, float]:
+    """Expert-change metrics from each mini-batch's per-layer change `[L]` (metric table in __init__.py)."""
+    out = {"routing/expert_change/first_minibatch": float(changes[0].mean())}
     if len(changes) > 1:
         later_L = torch.stack(changes[1:]).mean(0)
         out["routing/expert_change/frac"] = float(later_L.mean())

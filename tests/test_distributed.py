@@ -1,0 +1,271 @@
+"""Data-parallel RL under torchrun (CPU, gloo, 2 processes): ranks agree, 2 processes train as 1, resume, failures.
+
+The multi-process tests are slow (each torchrun start imports torch and transformers twice on a shared
+CPU). Tolerance of 2 processes vs 1 (same seed and global batch), measured on CPU over 4 steps at lr
+1e-3: identical completions, rewards, clip and expert-change fractions; losses within 5e-5 and gradient
+norms within 1.2e-5 (relative); parameters within 3.3e-5 (absolute; Adam amplifies reduction-order noise
+in nearly-cancelling gradients). The tests assert 1e-4.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import TINY, _comparable, _read_metrics, compose_config
+
+from moe_rl.config import TrainerConfig
+from moe_rl.models import ModelConfig, build_model
+from moe_rl.rollout import SamplerConfig, sample
+from moe_rl.trainer.distributed import check_world, minibatch_rows, reduce_metrics
+from moe_rl.trainer.run import train
+
+TOL = 1e-4
+DP = [
+    "objective=grpo",
+    "trainer.steps=4",
+    "trainer.checkpoint_every=1",
+    "trainer.lr=1e-3",
+    "logger.wandb=false",
+    "trainer.dist_timeout_s=60",
+]
+
+
+def test_minibatches_split_evenly_over_ranks():
+    """Mini-batches partition the rows, and any rank owning whole runs of M rows holds B / (M W) of each."""
+    B, M = 32, 4
+    rows_MC = minibatch_rows(B, M, torch.Generator().manual_seed(0))
+    assert sorted(rows_MC.flatten().tolist()) == list(range(B))
+    for world in (1, 2, 4, 8):
+        for rank in range(world):
+            lo, hi = rank * B // world, (rank + 1) * B // world
+            counts = ((rows_MC >= lo) & (rows_MC < hi)).sum(1)
+            assert counts.tolist() == [B // (M * world)] * M
+
+
+def test_sampler_rows_reproduce_the_whole_batch(tokenizer):
+    """Sampling two halves of a batch (rows=...) gives the same completions as sampling it whole."""
+    model = build_model(ModelConfig(num_layers=2), tokenizer)
+    prompts = ["1+2=", "13-1=", "4+4=", "9-5=", "7+7=", "2-8="]
+    cfg = SamplerConfig(max_new_tokens=6)
+    whole = sample(model, tokenizer, prompts, cfg, generator=torch.Generator().manual_seed(3))
+    halves = [
+        sample(model, tokenizer, prompts, cfg, generator=torch.Generator().manual_seed(3), rows=rows)
+        for rows in (slice(0, 3), slice(3, 6))
+    ]
+    assert halves[0].texts + halves[1].texts == whole.texts
+    R = [h.logp_BR.shape[1] for h in halves]
+    torch.testing.assert_close(
+        torch.cat([halves[0].logp_BR[:, : min(R)], halves[1].logp_BR[:, : min(R)]]),
+        whole.logp_BR[:, : min(R)],
+    )
+
+
+def test_metrics_reduce_by_kind():
+    """Means are weighted by each rank's rows, tokens or positions as the metric averages over them (NaN
+    skipped); */max and time/* take the max, */min the min, throughputs and byte counts add up."""
+    counts = [{"rows": 4.0, "tokens": 1.0, "positions": 2.0}, {"rows": 4.0, "tokens": 3.0, "positions": 6.0}]
+    out = reduce_metrics(
+        [
+            {
+                "train/loss": 1.0,
+                "ratio/token/mean": 1.0,
+                "routing/entropy/mean": 2.0,
+                "clip/seq_frac": float("nan"),
+                "ratio/token/max": 2.0,
+                "ratio/token/min": 0.5,
+                "time/step_s": 3.0,
+                "throughput/tokens_per_s": 10.0,
+                "routing/replay_cache_bytes": 4.0,
+            },
+            {
+                "train/loss": 3.0,
+                "ratio/token/mean": 2.0,
+                "routing/entropy/mean": 4.0,
+                "clip/seq_frac": 0.5,
+                "ratio/token/max": 1.5,
+                "ratio/token/min": 0.7,
+                "time/step_s": 4.0,
+                "throughput/tokens_per_s": 20.0,
+                "routing/replay_cache_bytes": 4.0,
+            },
+        ],
+        counts,
+    )
+    assert out == {
+        "train/loss": 2.0,
+        "ratio/token/mean": 1.75,
+        "routing/entropy/mean": 3.5,
+        "clip/seq_frac": 0.5,
+        "ratio/token/max": 2.0,
+        "ratio/token/min": 0.5,
+        "time/step_s": 4.0,
+        "throughput/tokens_per_s": 30.0,
+        "routing/replay_cache_bytes": 8.0,
+    }
+
+
+def test_uneven_split_over_ranks_is_refused():
+    """A batch that cannot be split into whole groups and equal mini-batch shares names the field."""
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        check_world(TrainerConfig(prompts_per_step=3), 2)
+    with pytest.raises(ValueError, match="mini_batches"):
+        check_world(TrainerConfig(prompts_per_step=4, group_size=2, mini_batches=8), 2)
+    check_world(TrainerConfig(prompts_per_step=4, group_size=2, mini_batches=4), 1)
+
+
+def _torchrun(run_dir: Path, overrides: list[str], nproc: int = 2, **popen) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "moe_rl.train",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
+
+
+def _run(run_dir: Path, overrides: list[str], nproc: int = 2) -> dict:
+    proc = _torchrun(run_dir, overrides, nproc)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, warm_overrides):
+    """The same 4-step run with 1 process (in-process) and 2 processes (torchrun)."""
+    root = tmp_path_factory.mktemp("dp")
+    overrides = [*TINY, *warm_overrides, *DP]
+    train(compose_config(overrides), root / "one")
+    two = _run(root / "two", overrides)
+    return root, overrides, two
+
+
+CONTINUOUS = ("train/loss", "train/grad_norm", "ratio/token/mean", "policy/approx_kl", "rollout/entropy/mean")
+DISCRETE = ("clip/token_frac", "routing/expert_change/frac", "routing/expert_change/layer_0")
+
+
+@pytest.mark.slow
+def test_two_processes_keep_ranks_identical_and_match_one_process(runs):
+    """After 4 steps both ranks hold bitwise identical parameters, and the 2-process run samples the same
+    completions as a 1-process run with the same global batch and seed; losses, gradient norms, token
+    ratios and parameters agree within 1e-4, and step 0's clip and expert-change fractions are equal."""
+    root, _, two = runs
+    assert two["world_size"] == 2
+    assert two["param_checksum_by_rank"][0] == two["param_checksum_by_rank"][1]
+    one_rows, two_rows = _read_metrics(root / "one"), _read_metrics(root / "two")
+    assert [r["step"] for r in two_rows] == [0, 1, 2, 3]
+    for a, b in zip(one_rows, two_rows, strict=True):
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+        assert a["rollout/response_len/mean"] == b["rollout/response_len/mean"]
+        for key in CONTINUOUS:
+            assert b[key] == pytest.approx(a[key], rel=TOL, abs=TOL), key
+    for key in DISCRETE:  # later steps may flip a near-tie once parameters differ by float noise
+        assert two_rows[0][key] == pytest.approx(one_rows[0][key], rel=1e-6), key
+    one, two_p = _params(root / "one"), _params(root / "two")
+    init = build_model(
+        replace(
+            ModelConfig(),
+            pretrained=json.loads((root / "one" / "summary.json").read_text())["warmstart_path"],
+        )
+    ).state_dict()
+    moved = max((one[k] - init[k]).abs().max().item() for k in one)
+    assert moved > 30 * TOL, "the run should move the parameters well beyond the tolerance"
+    for key in one:
+        torch.testing.assert_close(two_p[key], one[key], rtol=0, atol=TOL)
+
+
+@pytest.mark.slow
+def test_two_process_run_resumes_to_the_same_metrics(runs):
+    """A 2-process run stopped after 2 steps and resumed (both ranks load the checkpoint) logs what the
+    uninterrupted 2-process run logs, and its ranks still agree."""
+    root, overrides, two = runs
+    cut = root / "cut"
+    _run(cut, [*overrides, "trainer.steps=2"])
+    resumed = _run(cut, [*overrides, "resume=true"])
+    assert _comparable(_read_metrics(cut)) == _comparable(_read_metrics(root / "two"))
+    assert resumed["param_checksum_by_rank"] == two["param_checksum_by_rank"]
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_match_one_process(runs):
+    """FSDP2 over 2 gloo processes (lock-step sampling, sharded AdamW) trains as the 1-process run does."""
+    root, overrides, _ = runs
+    fsdp = root / "fsdp"
+    _run(fsdp, [*overrides, "trainer.steps=2", "trainer.parallel=fsdp"])
+    for a, b in zip(_read_metrics(root / "one")[:2], _read_metrics(fsdp), strict=True):
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+        for key in ("train/loss", "train/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=TOL, abs=TOL), key
+    saved = _params(fsdp)
+    assert set(saved) == set(_params(root / "one")), "rank 0 saves the full, unsharded state dict"
+
+
+def _worker_pids(launcher: int) -> dict[int, int]:
+    """torchrun's worker processes by rank, read from /proc (children and their RANK variable)."""
+    pids = {}
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            rank = [e for e in env if e.startswith(b"RANK=")]
+            if rank:
+                pids[int(rank[0][5:])] = int(child)
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_failed_rank_ends_the_job_with_a_clear_error(tmp_path, warm_overrides, fault):
+    """A rank killed (SIGKILL) or frozen (SIGSTOP) mid-run ends the whole job with a non-zero exit and an
+    error naming the failure, well within the 10 s collective timeout plus torchrun's shutdown grace."""
+    run_dir = tmp_path / fault
+    proc = _torchrun(
+        run_dir,
+        [
+            *TINY,
+            *warm_overrides,
+            *DP,
+            "trainer.steps=1000",
+            "trainer.checkpoint_every=0",
+            "trainer.dist_timeout_s=10",
+        ],
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.time() < deadline, "the run never logged a step"
+        time.sleep(0.2)
+    workers = _worker_pids(proc.pid)
+    os.kill(workers[1], signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
+    t0 = time.time()
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        for pid in workers.values():  # never leave a stopped worker behind, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert time.time() - t0 < 120
+    if fault == "dies":
+        assert "rank      : 1" in out and "SIGKILL" in out, out[-3000:]
+    else:
+        assert "did not answer within trainer.dist_timeout_s=10" in out, out[-3000:]

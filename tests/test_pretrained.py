@@ -1,0 +1,150 @@
+"""Pretrained MoE configs (Qwen3-MoE, OLMoE, Qwen1.5-MoE, Mixtral) on tiny locally saved models; nothing is
+downloaded. Also routing replay through the trainer under gradient checkpointing."""
+
+import math
+
+import pytest
+import torch
+from test_train import TINY, _comparable, _read_metrics, compose_config
+
+from moe_rl.models import ModelConfig, build_model, build_tokenizer
+from moe_rl.rollout import sample
+from moe_rl.trainer.run import _context, train
+from moe_rl.trainer.step import Batch, _old_policy, _update, chat_prompt
+from moe_rl.warmstart import warm_start
+
+CONFIGS = {
+    "qwen3_moe": "qwen3_30b_a3b",
+    "olmoe": "olmoe_1b_7b",
+    "qwen2_moe": "qwen1_5_moe_a2_7b",
+    "mixtral": "mixtral_8x7b",
+}
+# A chat template over the task alphabet (the tiny character tokenizer has no '|' or newline), writing BOS
+# as real templates do: the trainer must not double it.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>:{{ m['content'] }};{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>:{% endif %}"
+)
+CPU = ["trainer.device=cpu", "logger.wandb=false"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny model of each family saved with a tokenizer that has a chat template: {family: path}."""
+    root = tmp_path_factory.mktemp("pretrained")
+    paths = {}
+    for family in CONFIGS:
+        tokenizer = build_tokenizer()
+        tokenizer.chat_template = TEMPLATE
+        cfg = ModelConfig(family=family, num_layers=2, head_dim=None if family == "olmoe" else 32)
+        path = root / family
+        build_model(cfg, tokenizer).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[family] = path
+    return paths
+
+
+def test_pretrained_configs_set_memory_settings():
+    """Each real-checkpoint config loads in bf16 with gradient checkpointing, grouped_mm experts and the chat
+    template, on CUDA, with no warm start."""
+    for name in CONFIGS.values():
+        cfg = compose_config([f"model={name}"])
+        m = cfg.model
+        assert m.pretrained and (m.dtype, m.gradient_checkpointing, m.experts_impl) == (
+            "bfloat16",
+            True,
+            "grouped_mm",
+        )
+        assert cfg.task.chat_template and not cfg.warmstart.enabled and cfg.trainer.device == "cuda"
+
+
+def test_chat_template_wraps_prompts_without_doubling_bos(saved):
+    """The prompt is one user turn ending where the answer starts; the template's BOS is left to the tokenizer."""
+    cfg = compose_config([*TINY, "model=olmoe_1b_7b", f"model.pretrained={saved['olmoe']}", *CPU])
+    ctx, _ = _context(cfg)
+    assert ctx.prompt("1+2=") == "<user>:1+2=;<assistant>:"
+    ids = ctx.tokenizer(ctx.prompt("1+2="))["input_ids"]
+    assert ids.count(ctx.tokenizer.bos_token_id) == 1 and ctx.tokenizer.unk_token_id not in ids
+    assert chat_prompt(ctx.tokenizer, "x") == "<user>:x;<assistant>:"
+
+
+def test_chat_template_needs_a_template_and_no_warm_start():
+    """task.chat_template=true fails fast on a tokenizer without a template, and alongside a warm start."""
+    with pytest.raises(ValueError, match="task.chat_template"):
+        _context(compose_config([*TINY, "task.chat_template=true", "warmstart.enabled=false", *CPU]))
+    with pytest.raises(ValueError, match="task.chat_template"):
+        compose_config([*TINY, "task.chat_template=true"])
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.slow) for f in ("olmoe", "qwen2_moe", "mixtral"))],
+)
+def test_pretrained_family_trains_through_its_config(tmp_path, saved, family):
+    """A saved tiny model of each family runs RL through its real-checkpoint config (bf16, checkpointing,
+    grouped_mm, chat template) on CPU, and an update with non-zero advantages moves its parameters."""
+    cfg = compose_config(
+        [
+            *TINY,
+            f"model={CONFIGS[family]}",
+            f"model.pretrained={saved[family]}",
+            *CPU,
+            "trainer.steps=1",
+            "trainer.lr=1e-2",
+            "objective=grpo_rr",
+        ]
+    )
+    summary = train(cfg, tmp_path)
+    assert summary["steps_done"] == 1 and math.isfinite(summary["final"]["train/loss"])
+    ctx, _ = _context(cfg)
+    assert ctx.model.config.model_type == family
+    assert next(ctx.model.parameters()).dtype == torch.bfloat16
+    roll = sample(
+        ctx.model,
+        ctx.tokenizer,
+        [ctx.prompt(p) for p in ["1+2=", "3-1="] * 4],
+        cfg.sampler,
+        generator=torch.Generator().manual_seed(0),
+        controller=ctx.controller,
+    )
+    batch = Batch.from_rollout(
+        roll, torch.randn(8, generator=torch.Generator().manual_seed(1)), torch.arange(8)
+    )
+    old_logps, old_traces = _old_policy(ctx, batch, [slice(0, 8)])
+    before = {k: v.clone() for k, v in ctx.model.state_dict().items()}
+    metrics, _ = _update(ctx, 0, batch, slice(0, 8), old_logps[0], old_traces[0])
+    assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
+    assert any(not torch.equal(before[k], v) for k, v in ctx.model.state_dict().items())
+
+
+@pytest.mark.slow
+def test_replay_through_trainer_under_gradient_checkpointing(tmp_path, warm_overrides):
+    """GRPO with routing replay trains the same with model.gradient_checkpointing=true as without: the router
+    hooks run again in the recompute and route by the replayed ids."""
+    base = compose_config([*TINY, *warm_overrides])
+    ws = warm_start(
+        base.model,
+        base.task.name,
+        base.task.difficulty,
+        base.warmstart,
+        base.seed,
+        max_new_tokens=base.sampler.max_new_tokens,
+        progress=False,
+    )
+    runs = {}
+    for ckpt in (False, True):
+        cfg = compose_config(
+            [
+                *TINY,
+                "warmstart.enabled=false",
+                f"model.pretrained={ws.path}",
+                "objective=grpo_rr",
+                f"model.gradient_checkpointing={ckpt}",
+                "logger.wandb=false",
+                "trainer.lr=1e-3",
+            ]
+        )
+        summary = train(cfg, tmp_path / str(ckpt))
+        runs[ckpt] = (summary, _read_metrics(tmp_path / str(ckpt)))
+    assert runs[True][0]["final"]["train/grad_norm"] > 0
+    assert _comparable(runs[True][1]) == _comparable(runs[False][1])
