@@ -98,6 +98,11 @@ class TrainerConfig:
     all-reduced) or fsdp (FSDP2: parameters, gradients and optimizer state sharded over ranks)."""
     dist_timeout_s: int = 300
     """Seconds a collective waits for the other ranks before the job fails (a dead or hung rank)."""
+    reuse_sampler_logp: bool = False
+    """Skip the old-policy forward: use the sampler's log-probs and routing as the old policy's (GSPO
+    paper, section 5.4). The same weights at the same precision compute them, so they agree with a full
+    forward to float rounding (~1e-6), and the first mini-batch's ratios are 1 to that precision
+    instead of exactly. Needs the sampler to be the trained model (trainer.sampler_dtype null)."""
 
 
 @dataclass
@@ -213,6 +218,12 @@ class Config:
             )
         if t.sampler_dtype is not None and t.sampler_dtype not in DTYPES:
             raise ValueError(f"trainer.sampler_dtype={t.sampler_dtype!r}: expected one of {DTYPES} or null")
+        if t.reuse_sampler_logp and t.sampler_dtype not in (None, self.model.dtype):
+            raise ValueError(
+                f"trainer.reuse_sampler_logp=true needs the sampler to be the trained model, but "
+                f"trainer.sampler_dtype={t.sampler_dtype!r} samples with a {t.sampler_dtype} copy: set "
+                "trainer.sampler_dtype=null or trainer.reuse_sampler_logp=false"
+            )
         if t.parallel not in PARALLEL:
             raise ValueError(f"trainer.parallel={t.parallel!r}: expected one of {PARALLEL}")
         if t.dist_timeout_s < 1:

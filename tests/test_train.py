@@ -17,7 +17,7 @@ from moe_rl.config import Config
 from moe_rl.rollout import sample
 from moe_rl.train import CONF_DIR, to_config
 from moe_rl.trainer.run import _context, train
-from moe_rl.trainer.step import Batch, _old_policy, _update
+from moe_rl.trainer.step import Batch, _old_policy, _update, rl_step
 
 REQUIRED_KEYS = [
     "rollout/reward/mean", "rollout/reward/std", "rollout/accuracy", "rollout/response_len/mean",
@@ -74,11 +74,12 @@ def test_objective_presets_set_paper_clip_ranges_and_replay():
         ("routing.replay=sometimes", "routing.replay"),
         ("objective.name=ppo", "objective.name"),
         ("sampler.max_new_tokens=2", "sampler.max_new_tokens"),
+        ("trainer.sampler_dtype=bfloat16 trainer.reuse_sampler_logp=true", "trainer.reuse_sampler_logp"),
     ],
 )
 def test_invalid_config_fails_fast_with_field_name(tmp_path, override, field):
     """A bad value exits with code 2 and one error line naming the field, before any run files are written."""
-    proc = subprocess.run([sys.executable, "-m", "moe_rl.train", override, f"hydra.run.dir={tmp_path}/run"],
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.train", *override.split(), f"hydra.run.dir={tmp_path}/run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -225,6 +226,23 @@ def test_bf16_sampler_shows_mismatch_and_fp32_does_not(tmp_path):
     bf16 = train(compose_config([*base, "trainer.sampler_dtype=bfloat16"]), tmp_path / "bf16")["final"]
     assert fp32["mismatch/logp_abs_diff/mean"] < 1e-5 and fp32["routing/rollout_vs_old/frac"] == 0.0
     assert bf16["mismatch/logp_abs_diff/mean"] > 1e-4
+
+
+def test_reuse_sampler_logp_skips_old_forward_and_matches_it():
+    """reuse_sampler_logp: no old-policy forward, the same samples, and updates that match recomputing the
+    old log-probs to float rounding (mini-batch 1's ratios are 1 within 1e-5, its expert change is 0)."""
+    base = [*TINY, "warmstart.enabled=false", "logger.wandb=false", "objective=gspo", "trainer.lr=1e-3"]
+    metrics = {}
+    for reuse in (False, True):
+        ctx, _ = _context(compose_config([*base, f"trainer.reuse_sampler_logp={reuse}"]))
+        metrics[reuse] = [rl_step(ctx, step) for step in range(2)]
+    for recomputed, reused in zip(metrics[False], metrics[True], strict=True):
+        assert reused["time/old_forward_s"] < 0.2 * recomputed["time/old_forward_s"]
+        assert reused["rollout/reward/mean"] == recomputed["rollout/reward/mean"]
+        assert reused["mismatch/logp_abs_diff/mean"] == 0.0 and recomputed["mismatch/logp_abs_diff/mean"] < 1e-5
+        assert reused["routing/expert_change/first_minibatch"] == 0.0
+        for key in ("train/loss", "ratio/seq/mean", "routing/expert_change/frac"):
+            assert reused[key] == pytest.approx(recomputed[key], rel=1e-3, abs=1e-6), key
 
 
 @pytest.mark.slow

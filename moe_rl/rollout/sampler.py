@@ -116,8 +116,10 @@ def sample(
     controller: RoutingController | None = None,
     rows: slice = slice(None),
     all_done: Callable[[bool], bool] | None = None,
+    record_logits: bool = False,
 ) -> Rollout:
-    """Sample one completion per prompt (repeat prompts for groups). Records routing when given a controller.
+    """Sample one completion per prompt (repeat prompts for groups). Records routing when given a controller
+    (with the router logits too when `record_logits`).
 
     Data parallel (moe_rl.trainer.distributed): `rows` samples only those rows of `prompts`, with the
     padding and random noise of the whole list, so a row's completion is the same however the list is
@@ -140,7 +142,7 @@ def sample(
     entropy_BR = torch.zeros(B, R, dtype=torch.float32, device=device)
     alive_B = torch.ones(B, dtype=torch.bool, device=device)
     lengths_B = torch.zeros(B, dtype=torch.long, device=device)
-    recording = controller.record() if controller is not None else contextlib.nullcontext()
+    recording = controller.record(record_logits) if controller is not None else contextlib.nullcontext()
     with recording as rec:
         cache = DynamicCache(config=model.config)
         feed_BT, start, steps = prompt_ids_BP, 0, 0

@@ -1,6 +1,14 @@
 """The RL loop: one step (`step.py`), a whole run (`run.py`), collapse events, logging and checkpoints.
 
-Metrics logged every step (to metrics.jsonl and W&B):
+Metrics logged every step (to metrics.jsonl and W&B). Under data parallelism (torchrun, W ranks) every
+metric is first reduced over ranks (`reduce_metric` in distributed.py), so one process and W processes
+log the same quantity:
+- rollout statistics are computed from all ranks' rows;
+- `*/max` and `time/*`: the maximum over ranks; `*/min`: the minimum;
+- `throughput/*` and `routing/replay_cache_bytes`: the sum;
+- other means: weighted by each rank's response tokens (`TOKEN_MEANS`: the clip and ratio means),
+  valid positions (`POSITION_MEANS`, and expert change, reduced per mini-batch) or rows (the rest);
+- variances and `routing/load_cv/mean`: the weighted mean of the ranks' values, not the global statistic.
 
 | key | meaning |
 |---|---|
@@ -19,9 +27,9 @@ Metrics logged every step (to metrics.jsonl and W&B):
 | `routing/load_cv/mean` | per-layer coefficient of variation of tokens per expert (old policy), mean over layers |
 | `routing/entropy/mean` | router entropy (nats) of the old policy, mean over layers |
 | `routing/replay_cache_bytes` | bytes of expert ids held for replay this step (0 when replay is off) |
-| `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens |
+| `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens (0 by construction with `trainer.reuse_sampler_logp`) |
 | `collapse/events`, `collapse/new_events` | collapse events so far, and those of this step (see collapse.py) |
-| `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages |
+| `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages (`time/old_forward_s` is ~0 with `trainer.reuse_sampler_logp`) |
 | `throughput/tokens_per_s` | (prompt + response tokens of the batch) / step seconds |
 | `throughput/sampler_tokens_per_s` | response tokens sampled / rollout seconds |
 """

@@ -157,6 +157,7 @@ def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor]:
         controller=controller,
         rows=rows,
         all_done=d.all_done if ctx.sharded else None,
+        record_logits=t.reuse_sampler_logp,  # the sampler's trace is then the old policy's
     )
     rewards = [ctx.task.reward(ex, text) for ex, text in zip(examples_B[rows], roll.texts, strict=True)]
     return roll, torch.tensor(rewards, dtype=torch.float32)
@@ -287,7 +288,11 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     batch = Batch.from_rollout(roll, adv_B.to(roll.logp_BR.device), perm_B.to(roll.logp_BR.device))
     slices = [slice(j * c, (j + 1) * c) for j in range(t.mini_batches)]
     t1 = time.perf_counter()
-    old_logps, old_traces = _old_policy(ctx, batch, slices)
+    if t.reuse_sampler_logp:  # the sampler ran these weights at this precision: its results are in hand
+        old_logps = [batch.sampler_logp_BR[sl] for sl in slices]
+        old_traces = [batch.sampler_trace.rows(sl) for sl in slices]
+    else:
+        old_logps, old_traces = _old_policy(ctx, batch, slices)
     old_trace = RoutingTrace.cat(old_traces)
     t2 = time.perf_counter()
 
