@@ -42,6 +42,7 @@ def test_build_every_family(tokenizer, family):
         (dict(family="llama"), "model.family"),
         (dict(num_heads=4, num_kv_heads=3), "model.num_heads"),
         (dict(experts_impl="magic"), "model.experts_impl"),
+        (dict(dtype="float64"), "model.experts_impl=eager"),
         (dict(family="mixtral", norm_topk_prob=False), "model.norm_topk_prob"),
         (dict(num_layers=0), "model.num_layers"),
         (dict(dtype="int8"), "model.dtype"),
@@ -55,9 +56,9 @@ def test_invalid_config_names_field(tokenizer, overrides, field):
 
 def test_experts_impl_is_selectable(tokenizer):
     """experts_impl reaches transformers and eager and grouped_mm agree on the logits."""
-    eager = build_model(ModelConfig(num_layers=2), tokenizer)
+    eager = build_model(ModelConfig(num_layers=2, experts_impl="eager"), tokenizer)
     grouped = build_model(ModelConfig(num_layers=2, experts_impl="grouped_mm"), tokenizer)
-    assert grouped.config._experts_implementation == "grouped_mm"
+    assert (eager.config._experts_implementation, grouped.config._experts_implementation) == ("eager", "grouped_mm")
     x = torch.randint(4, len(tokenizer), (2, 9))
     torch.testing.assert_close(eager(x).logits, grouped(x).logits, rtol=1e-4, atol=1e-5)
 

@@ -41,8 +41,9 @@ class ModelConfig:
     """Longest sequence (prompt + response) the rotary embedding is set up for."""
     router_aux_loss_coef: float = 0.0
     """Load-balancing loss coefficient. 0 by default: RL losses carry no auxiliary term unless asked."""
-    experts_impl: str = "eager"
-    """transformers experts kernel: eager (loop over experts), grouped_mm or batched_mm."""
+    experts_impl: str = "grouped_mm"
+    """transformers experts kernel: grouped_mm (tokens sorted by expert, one grouped matmul; the fastest
+    on CPU too, experiments/bench/rl_step.py), eager (a loop over experts) or batched_mm."""
     attn_impl: str = "sdpa"
     """transformers attention implementation: sdpa or eager."""
     dtype: str = "float32"
@@ -58,6 +59,10 @@ class ModelConfig:
             raise ValueError(f"model.experts_impl={self.experts_impl!r}: expected one of {EXPERTS_IMPLS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r}: expected one of {DTYPES}")
+        if self.dtype == "float64" and self.experts_impl == "grouped_mm":
+            raise ValueError(
+                "model.experts_impl=grouped_mm has no float64 kernel: set model.experts_impl=eager for float64"
+            )
         if self.attn_impl not in ("sdpa", "eager"):
             raise ValueError(f"model.attn_impl={self.attn_impl!r}: expected 'sdpa' or 'eager'")
         if self.pretrained:

@@ -96,7 +96,11 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     if sharded and ref is not None:
         shard(ref)
     # After wrap: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    # Fused: one kernel per parameter instead of a dozen ops (3.8x faster on the tiny model's CPU step,
+    # experiments/bench); FSDP2's sharded parameters take the default implementation.
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=True if not sharded else None
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps))
     )
