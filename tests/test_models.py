@@ -1,5 +1,7 @@
 """Model building, tokenizer and config validation."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import FAMILIES
@@ -54,13 +56,22 @@ def test_invalid_config_names_field(tokenizer, overrides, field):
         build_model(ModelConfig(**overrides), tokenizer)
 
 
-def test_experts_impl_is_selectable(tokenizer):
-    """experts_impl reaches transformers and eager and grouped_mm agree on the logits."""
-    eager = build_model(ModelConfig(num_layers=2, experts_impl="eager"), tokenizer)
-    grouped = build_model(ModelConfig(num_layers=2, experts_impl="grouped_mm"), tokenizer)
-    assert (eager.config._experts_implementation, grouped.config._experts_implementation) == ("eager", "grouped_mm")
-    x = torch.randint(4, len(tokenizer), (2, 9))
-    torch.testing.assert_close(eager(x).logits, grouped(x).logits, rtol=1e-4, atol=1e-5)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("impl", ["grouped_mm"])
+def test_experts_kernels_match_eager_loop(tokenizer, family, impl):
+    """The default experts kernel reaches transformers and gives the eager loop's logits and parameter gradients."""
+    cfg = ModelConfig(family=family, num_layers=2, head_dim=None)
+    eager = build_model(replace(cfg, experts_impl="eager"), tokenizer)
+    other = build_model(replace(cfg, experts_impl=impl), tokenizer)
+    assert (eager.config._experts_implementation, other.config._experts_implementation) == ("eager", impl)
+    x = torch.randint(4, len(tokenizer), (3, 9))
+    out_eager, out_other = eager(x).logits, other(x).logits
+    torch.testing.assert_close(out_other, out_eager, rtol=1e-4, atol=1e-5)
+    w = torch.randn(out_eager.shape, generator=torch.Generator().manual_seed(0))
+    (out_eager * w).sum().backward()
+    (out_other * w).sum().backward()
+    for (name, p_eager), p_other in zip(eager.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(p_other.grad, p_eager.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_save_and_from_pretrained(tmp_path, tokenizer):

@@ -43,8 +43,9 @@ CONDITIONS = {
     "eager_experts": {"experts_impl": "eager"},
     "replay_old": {"replay": "old"},
 }
-"""Benchmarked variants of the workload: moe-rl's defaults; skipping the old-policy forward (sampler
-log-probs reused); the transformers eager experts loop (the previous default); Routing Replay."""
+"""Benchmarked variants of the workload: moe-rl's defaults (grouped_mm experts); skipping the old-policy
+forward (sampler log-probs reused); transformers' eager experts loop (the default before this
+benchmark); Routing Replay."""
 
 SCALING = {"group": (4, 8, 16), "new_tokens": (16, 32, 64), "layers": (2, 4, 8), "experts": (4, 8, 16)}
 
@@ -335,7 +336,14 @@ def markdown(report: dict) -> str:
             "```",
             report["profile_before"],
         ]
-        lines += ["```", "", "Profile after (grouped_mm, reuse_sampler_logp):", "", "```", report["profile"]]
+        lines += [
+            "```",
+            "",
+            "Profile after (grouped_mm experts, reuse_sampler_logp):",
+            "",
+            "```",
+            report["profile"],
+        ]
         lines += ["```", ""]
     return "\n".join(lines)
 
