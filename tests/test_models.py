@@ -64,14 +64,16 @@ def test_experts_kernels_match_eager_loop(tokenizer, family, impl):
     eager = build_model(replace(cfg, experts_impl="eager"), tokenizer)
     other = build_model(replace(cfg, experts_impl=impl), tokenizer)
     assert (eager.config._experts_implementation, other.config._experts_implementation) == ("eager", impl)
-    x = torch.randint(4, len(tokenizer), (3, 9))
+    x = torch.randint(4, len(tokenizer), (3, 9), generator=torch.Generator().manual_seed(1))
     out_eager, out_other = eager(x).logits, other(x).logits
     torch.testing.assert_close(out_other, out_eager, rtol=1e-4, atol=1e-5)
     w = torch.randn(out_eager.shape, generator=torch.Generator().manual_seed(0))
     (out_eager * w).sum().backward()
     (out_other * w).sum().backward()
     for (name, p_eager), p_other in zip(eager.named_parameters(), other.parameters(), strict=True):
-        torch.testing.assert_close(p_other.grad, p_eager.grad, rtol=1e-4, atol=1e-5, msg=name)
+        # float32 sums in another order: elementwise within 1e-5 of the gradient's own scale
+        scale = float(p_eager.grad.abs().max())
+        torch.testing.assert_close(p_other.grad, p_eager.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
 def test_save_and_from_pretrained(tmp_path, tokenizer):
