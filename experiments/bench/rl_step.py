@@ -23,17 +23,22 @@ one warm-up step. Ratios are of medians measured side by side in this one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import json
+import math
 import resource
 import statistics
 import time
 from pathlib import Path
 
 import torch
+import trl_side
 from floor import MatmulLog, floor_seconds
 from workload import Workload, context, prompts_and_answers
 
+from moe_rl.objectives import group_advantages
 from moe_rl.rollout import response_logprobs, sample
 from moe_rl.trainer.step import rl_step
 
@@ -76,7 +81,6 @@ def stages(w: Workload, names: list[str], steps: int) -> dict[str, dict[str, flo
             "sampler_tokens_per_s": med["throughput/sampler_tokens_per_s"],
             "train_tokens_per_s": response_tokens / med["time/train_s"],
         }
-    out["peak_rss_mib"] = {"all": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     return out
 
 
@@ -107,12 +111,8 @@ def overheads(w: Workload, reps: int) -> dict[str, float]:
 
     def old_forward(record: bool):
         def fn():
-            with torch.no_grad():
-                if record:
-                    with ctl.record(with_logits=True):
-                        response_logprobs(model, ids, att, R)
-                else:
-                    response_logprobs(model, ids, att, R)
+            with torch.no_grad(), ctl.record(with_logits=True) if record else contextlib.nullcontext():
+                response_logprobs(model, ids, att, R)
 
         return fn
 
@@ -122,10 +122,7 @@ def overheads(w: Workload, reps: int) -> dict[str, float]:
 
     def train(replay: bool):
         def fn():
-            if replay:
-                with ctl.replay(trace):
-                    logp = response_logprobs(model, mb_ids, mb_att, R)
-            else:
+            with ctl.replay(trace) if replay else contextlib.nullcontext():
                 logp = response_logprobs(model, mb_ids, mb_att, R)
             logp.sum().backward()
             model.zero_grad(set_to_none=True)
@@ -168,8 +165,6 @@ def scaling(w: Workload, steps: int) -> dict[str, list[dict[str, float]]]:
 
 def growth_exponents(points: dict[str, list[dict[str, float]]]) -> dict[str, float]:
     """Log-log slope of step time between each axis's smallest and largest point (1 = linear)."""
-    import math
-
     return {
         axis: math.log(p[-1]["step_s"] / p[0]["step_s"]) / math.log(p[-1]["value"] / p[0]["value"])
         for axis, p in points.items()
@@ -218,12 +213,6 @@ def trl_comparison(
     w: Workload, pairs: int, variants: tuple[str, ...] = ("default", "reuse_sampler_logp")
 ) -> dict:
     """TRL paired with each moe-rl variant (all from the same initial weights), then the losses compared."""
-    import copy
-
-    import trl_side
-
-    from moe_rl.objectives import group_advantages
-
     ctxs = {name: context(w.replace(**CONDITIONS[name])) for name in variants}
     ctx = next(iter(ctxs.values()))
     init_model = copy.deepcopy(ctx.model)
@@ -271,15 +260,13 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, s in report["stages"].items():
-        if name == "peak_rss_mib":
-            continue
         lines.append(
             f"| {name} | {s['step_s']:.3f} | {s['sample_s']:.3f} | {s['old_forward_s']:.3f} | "
             f"{s['train_s']:.3f} | {s['sampler_tokens_per_s']:.0f} | {s['train_tokens_per_s']:.0f} |"
         )
     lines += [
         "",
-        f"Peak RSS of the benchmark process: {report['stages']['peak_rss_mib']['all']:.0f} MiB.",
+        f"Peak RSS of the benchmark process: {report['peak_rss_mib']:.0f} MiB.",
         "",
     ]
     if "overheads" in report:
@@ -372,11 +359,12 @@ def main() -> None:
         "torch": torch.__version__,
     }
     report["stages"] = stages(w, args.conditions.split(","), args.steps)
+    report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # after the stages
     print(json.dumps(report["stages"], indent=1), flush=True)
     report["overheads"] = overheads(w, args.steps)
     if not args.no_floor:
         report["floor"] = floor(w.replace(reuse_sampler_logp=True))
-        best = min(s["step_s"] for k, s in report["stages"].items() if k != "peak_rss_mib")
+        best = min(s["step_s"] for s in report["stages"].values())
         report["floor_distance"] = best / report["floor"]["floor_s"]
     if args.trl:
         report["trl"] = trl_comparison(w, args.steps)

@@ -18,20 +18,20 @@ import time
 from collections.abc import Callable
 
 import torch
+from workload import AdditionTask
+
+from moe_rl.tasks import Example
 
 
-def _dataset(prompts: list[str], answers: list[str]):
-    from datasets import Dataset
-
-    return Dataset.from_dict({"prompt": prompts, "answer": answers})
-
-
-def _reward(completions: list[str], answer: list[str], **_) -> list[float]:
-    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+def _reward(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
+    """moe-rl's own reward of the addition task, so both systems score completions alike."""
+    task = AdditionTask(1)
+    return [task.reward(Example(p, a, ()), c) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
 
 def build_trainer(model, tokenizer, prompts: list[str], answers: list[str], w, rl_steps: int, callbacks=()):
     """A GRPOTrainer for `rl_steps` RL steps of workload `w` (bench.Workload) on a copy of `model`."""
+    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     b = w.prompts * w.group // w.mini_batches
@@ -74,7 +74,7 @@ def build_trainer(model, tokenizer, prompts: list[str], answers: list[str], w, r
         model=model,
         reward_funcs=_reward,
         args=args,
-        train_dataset=_dataset(prompts, answers),
+        train_dataset=Dataset.from_dict({"prompt": prompts, "answer": answers}),
         processing_class=tokenizer,
         callbacks=list(callbacks),
     )

@@ -12,8 +12,6 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
-import torch
-
 from moe_rl.config import Config
 from moe_rl.tasks import Example
 from moe_rl.tasks.arithmetic import ArithmeticTask
@@ -91,8 +89,3 @@ def prompts_and_answers(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     """`n` addition prompts and their answers (the TRL dataset)."""
     examples = AdditionTask(1).examples("train", n, seed)
     return [ex.prompt for ex in examples], [ex.target for ex in examples]
-
-
-def initial_state(w: Workload) -> dict[str, torch.Tensor]:
-    """The initial weights of `w`'s model (what both systems start from)."""
-    return {k: v.clone() for k, v in context(w).model.state_dict().items()}
