@@ -96,8 +96,8 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     if sharded and ref is not None:
         shard(ref)
     # After wrap: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
-    # Fused: one kernel per parameter instead of a dozen ops (3.8x faster on the tiny model's CPU step,
-    # experiments/bench); FSDP2's sharded parameters take the default implementation.
+    # Fused: one kernel per parameter instead of a dozen ops (an optimizer step of the tiny model went
+    # from 8.8 ms to 2.3 ms on 2 CPU cores); FSDP2's sharded parameters take the default implementation.
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=True if not sharded else None
     )
