@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import trl_side
 from floor import MatmulLog, floor_seconds
+from routing_overhead import median_seconds
 from workload import Workload, context, prompts_and_answers
 
 from moe_rl.objectives import group_advantages
@@ -84,17 +85,6 @@ def stages(w: Workload, names: list[str], steps: int) -> dict[str, dict[str, flo
     return out
 
 
-def _interleaved(fns: dict, reps: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(reps + 1):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            if r:
-                times[k].append(time.perf_counter() - t)
-    return {k: _median(v) for k, v in times.items()}
-
-
 def overheads(w: Workload, reps: int) -> dict[str, float]:
     """Routing record / replay costs as ratios against the same call without them."""
     ctx = context(w)
@@ -105,7 +95,7 @@ def overheads(w: Workload, reps: int) -> dict[str, float]:
     def sampler(controller):
         return lambda: sample(model, tok, prompts, cfg, generator=gen.manual_seed(0), controller=controller)
 
-    t_sample = _interleaved({"plain": sampler(None), "record": sampler(ctl)}, reps)
+    t_sample = median_seconds({"plain": sampler(None), "record": sampler(ctl)}, reps, warmup=1)
     roll = sample(model, tok, prompts, cfg, generator=gen.manual_seed(0), controller=ctl)
     ids, att, R = roll.input_ids_BS, roll.attention_mask_BS, roll.response_ids_BR.shape[1]
 
@@ -116,7 +106,7 @@ def overheads(w: Workload, reps: int) -> dict[str, float]:
 
         return fn
 
-    t_old = _interleaved({"plain": old_forward(False), "record": old_forward(True)}, reps)
+    t_old = median_seconds({"plain": old_forward(False), "record": old_forward(True)}, reps, warmup=1)
     b = len(prompts) // w.mini_batches
     mb_ids, mb_att, trace = ids[:b], att[:b], roll.routing.rows(slice(0, b))
 
@@ -129,7 +119,7 @@ def overheads(w: Workload, reps: int) -> dict[str, float]:
 
         return fn
 
-    t_train = _interleaved({"plain": train(False), "replay": train(True)}, reps)
+    t_train = median_seconds({"plain": train(False), "replay": train(True)}, reps, warmup=1)
     tokens = roll.routing.shape[0] * roll.routing.shape[1]
     return {
         "sampler_record_ratio": t_sample["record"] / t_sample["plain"],
