@@ -181,17 +181,21 @@ def demonstration_batch(
 def demonstration_loss(
     model: PreTrainedModel, input_ids_BS: torch.Tensor, mask_BS: torch.Tensor, labels_BS: torch.Tensor
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy over response tokens of the whole batch (token-level mean)."""
+    """Mean next-token cross-entropy over response tokens of the whole batch (token-level mean), plus
+    `router_aux_loss_coef` x the family's load-balancing loss when the model's config sets it > 0."""
+    aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0
     out = model(
         input_ids=input_ids_BS[:, :-1],
         attention_mask=mask_BS[:, :-1],
         position_ids=position_ids_from_mask(mask_BS[:, :-1]),
         use_cache=False,
+        **({"output_router_logits": True} if aux_coef > 0 else {}),
     )
     logits_BSV = out.logits.float()
-    return torch.nn.functional.cross_entropy(
+    loss = torch.nn.functional.cross_entropy(
         logits_BSV.flatten(0, 1), labels_BS[:, 1:].flatten(), ignore_index=-100
     )
+    return loss + aux_coef * out.aux_loss if aux_coef > 0 else loss
 
 
 @torch.no_grad()

@@ -167,7 +167,7 @@ def test_mismatched_or_missing_traces_raise(tokenizer):
     t = rec.trace
     cases = [
         (t.rows(slice(0, 2)), "batch"),
-        (t.time(slice(0, 4)), "nothing left to replay|time steps left"),
+        (t.time(slice(0, 4)), "no token digest"),
         (RoutingTrace(t.expert_ids[:, :, :3], 8), "layers"),
         (RoutingTrace(t.expert_ids[..., :1], 8), "k=1"),
     ]
@@ -181,6 +181,64 @@ def test_mismatched_or_missing_traces_raise(tokenizer):
     with pytest.raises(RoutingReplayError, match="nothing left"), torch.no_grad(), ctl.replay(t):
         model(x)
         model(x[:, :1])
+
+
+def test_misaligned_trace_raises_naming_rows(tokenizer):
+    """A trace replayed on rows permuted differently from its inputs raises naming those rows; replayed on
+    the same permutation of the inputs it replays."""
+    model = _model(tokenizer, "qwen3_moe")
+    ctl = RoutingController(model)
+    x = _tokens(tokenizer, B=4, T=7)
+    with torch.no_grad(), ctl.record() as rec:
+        ref = model(x).logits
+    perm = torch.tensor([2, 0, 1, 3])
+    with pytest.raises(RoutingReplayError, match=r"rows \[0, 1, 2\] \(3 of 4\)"), torch.no_grad():
+        with ctl.replay(rec.trace.rows(perm)):
+            model(x)
+    with torch.no_grad(), ctl.replay(rec.trace.rows(perm)):
+        # Rows permuted: the same routing, summed in another order (grouped experts), so close, not bitwise.
+        torch.testing.assert_close(model(x[perm]).logits, ref[perm])
+    one_token_off = x.clone()
+    one_token_off[3, 5] = (one_token_off[3, 5] + 1) % len(tokenizer)
+    with pytest.raises(RoutingReplayError, match=r"rows \[3\]"), torch.no_grad(), ctl.replay(rec.trace):
+        model(one_token_off)
+
+
+def test_token_digest_is_additive_over_time_chunks():
+    """The digest of a row equals the sum of its chunks' digests at their absolute offsets."""
+    from moe_rl.routing import token_digest
+
+    x = torch.randint(0, 50_000, (3, 11), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(token_digest(x), token_digest(x[:, :4]) + token_digest(x[:, 4:], start=4))
+    y = x.clone()
+    y[1, 7] += 1
+    assert (token_digest(x) != token_digest(y)).tolist() == [False, True, False]
+
+
+def test_sigmoid_gated_router_is_refused(tokenizer):
+    """A sigmoid-gated router (MiniMax-M2) fails at its first forward with UnsupportedRouterError naming it,
+    whether or not a replay is open; the four supported families pass the same check."""
+    import transformers
+
+    from moe_rl.routing import UnsupportedRouterError
+
+    cfg = transformers.MiniMaxM2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8,
+        num_experts_per_tok=2, rotary_dim=8,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.mlp.gate.weight.normal_(0, 1.0)  # logits far from 0, where sigmoid and softmax gates differ
+    ctl = RoutingController(model)
+    x = _tokens(tokenizer, B=2, T=5)
+    with pytest.raises(UnsupportedRouterError, match="MiniMaxM2TopKRouter.*layer 0"):
+        ctl.verify_gates(model, x)
+    for family in FAMILIES:
+        good = _model(tokenizer, family)
+        RoutingController(good).verify_gates(good, x)
 
 
 def test_replay_under_gradient_checkpointing(tokenizer):

@@ -83,6 +83,8 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = No
             attn_implementation=cfg.attn_impl,
             experts_implementation=cfg.experts_impl,
         )
+        # moe-rl's config decides the load-balancing loss, not the checkpoint's training-time value.
+        model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
     else:
         if tokenizer is None:
             raise ValueError(

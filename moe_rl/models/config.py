@@ -40,7 +40,10 @@ class ModelConfig:
     max_position_embeddings: int = 512
     """Longest sequence (prompt + response) the rotary embedding is set up for."""
     router_aux_loss_coef: float = 0.0
-    """Load-balancing loss coefficient. 0 by default: RL losses carry no auxiliary term unless asked."""
+    """Load-balancing loss coefficient. 0 by default: RL losses carry no auxiliary term unless asked.
+    When > 0, the family's own load-balancing loss (transformers' load_balancing_loss_func) times this
+    is added to the RL loss of every update (logged as train/aux_loss) and to the warm start's loss.
+    It overrides a pretrained checkpoint's own value."""
     experts_impl: str = "grouped_mm"
     """transformers experts kernel: grouped_mm (tokens sorted by expert, one grouped matmul; the fastest
     on CPU too, experiments/bench/rl_step.py), eager (a loop over experts) or batched_mm."""

@@ -1,6 +1,11 @@
 """Rollouts: batched KV-cache sampling that records routing, and full-forward response log-probs."""
 
-from moe_rl.rollout.forward import position_ids_from_mask, response_logprobs, token_logprobs
+from moe_rl.rollout.forward import (
+    position_ids_from_mask,
+    response_logprobs,
+    response_logprobs_and_aux,
+    token_logprobs,
+)
 from moe_rl.rollout.sampler import Rollout, SamplerConfig, sample
 
 __all__ = [
@@ -8,6 +13,7 @@ __all__ = [
     "SamplerConfig",
     "position_ids_from_mask",
     "response_logprobs",
+    "response_logprobs_and_aux",
     "sample",
     "token_logprobs",
 ]

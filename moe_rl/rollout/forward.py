@@ -37,6 +37,21 @@ def response_logprobs(
     LM head (`logits_to_keep`). Open a routing `record()` or `replay()` around the call to capture or
     fix its routing: the trace it sees is `[B, S - 1, L, K]`.
     """
+    return response_logprobs_and_aux(model, input_ids_BS, attention_mask_BS, response_len, temperature)[0]
+
+
+def response_logprobs_and_aux(
+    model: PreTrainedModel,
+    input_ids_BS: torch.Tensor,
+    attention_mask_BS: torch.Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+    with_aux: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_logprobs`, and with `with_aux` the family's own load-balancing loss of the forward
+    (transformers' `load_balancing_loss_func` over every MoE layer's router logits, padding masked), else
+    None. Under replay the loss is the family's function of the live router logits (its f_i counts the
+    router's own top-k, its P_i carries the gradient), as in supervised training."""
     inputs_BS = input_ids_BS[:, :-1]
     mask_BS = attention_mask_BS[:, :-1]
     out = model(
@@ -45,5 +60,7 @@ def response_logprobs(
         position_ids=position_ids_from_mask(mask_BS),
         use_cache=False,
         logits_to_keep=response_len,
+        **({"output_router_logits": True} if with_aux else {}),
     )
-    return token_logprobs(out.logits, input_ids_BS[:, -response_len:], temperature)
+    logp_BR = token_logprobs(out.logits, input_ids_BS[:, -response_len:], temperature)
+    return logp_BR, (out.aux_loss if with_aux else None)

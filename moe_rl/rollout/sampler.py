@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation import SuppressTokensLogitsProcessor, TopPLogitsWarper
 
 from moe_rl.rollout.forward import position_ids_from_mask
 from moe_rl.routing import RoutingController, RoutingTrace
@@ -90,15 +91,15 @@ def _draw(
     The noise is drawn for `total_rows` rows (default: these rows) and `rows` of it are used, so a row's
     draw does not depend on how the batch is split across processes.
     """
-    logits_BV = logits_BV.float().clone()
-    logits_BV[:, banned] = float("-inf")
+    logits_BV = logits_BV.float()
+    if banned:
+        logits_BV = SuppressTokensLogitsProcessor(banned, device=logits_BV.device)(None, logits_BV)
     if cfg.temperature == 0:
         return logits_BV.argmax(-1)
-    probs_BV = torch.softmax(logits_BV / cfg.temperature, dim=-1)
-    if cfg.top_p < 1:
-        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-        drop_BV = sorted_BV.cumsum(-1) - sorted_BV >= cfg.top_p  # keep tokens until the mass reaches top_p
-        probs_BV = probs_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, 0.0))
+    logits_BV = logits_BV / cfg.temperature
+    if cfg.top_p < 1:  # keep the smallest set of most likely tokens whose mass reaches top_p
+        logits_BV = TopPLogitsWarper(cfg.top_p)(None, logits_BV)
+    probs_BV = torch.softmax(logits_BV, dim=-1)
     # Exponential race: argmax p / E with E ~ Exp(1) draws from p (one kernel, seeded, no multinomial).
     shape = (total_rows or probs_BV.shape[0], probs_BV.shape[1])
     noise_BV = probs_BV.new_empty(shape).exponential_(generator=generator)[rows]

@@ -1,6 +1,12 @@
 """Instrumented MoE routers: record per-token expert choices as data, replay them, and measure them."""
 
-from moe_rl.routing.controller import Recorder, RoutingController, RoutingReplayError
+from moe_rl.routing.controller import (
+    Recorder,
+    RoutingController,
+    RoutingReplayError,
+    UnsupportedRouterError,
+    replay_gates,
+)
 from moe_rl.routing.metrics import (
     expert_change_by_layer,
     expert_change_fraction,
@@ -8,17 +14,20 @@ from moe_rl.routing.metrics import (
     router_entropy,
     token_change_fraction,
 )
-from moe_rl.routing.trace import RoutingTrace, ids_dtype
+from moe_rl.routing.trace import RoutingTrace, ids_dtype, token_digest
 
 __all__ = [
     "Recorder",
     "RoutingController",
     "RoutingReplayError",
     "RoutingTrace",
+    "UnsupportedRouterError",
     "expert_change_by_layer",
     "expert_change_fraction",
     "expert_load",
     "ids_dtype",
+    "replay_gates",
     "router_entropy",
     "token_change_fraction",
+    "token_digest",
 ]

@@ -16,6 +16,16 @@ Both can be open at once: then `record` captures the experts the router *would* 
 (its free top-k given the replayed upstream layers), which is how expert change is measured
 during replayed training forwards.
 
+Replay is checked, never trusted:
+- Traces know their tokens. On a whole model a pre-hook on the input embedding sees each forward's
+  token ids: `record` keeps a per-row digest of them in the trace, and `replay` compares it with the
+  tokens it is replayed on, raising `RoutingReplayError` that names the misaligned rows. A trace
+  without a digest (sliced along time, or recorded on a bare block) cannot be replayed on a model.
+- Gates are verified, not assumed. The first forward of each router (replayed or not) compares the
+  gates rebuilt from its own top-k ids with the router's own; a router whose gate function differs (a sigmoid-gated
+  one, such as MiniMax-M2's, or one with a selection bias) raises `UnsupportedRouterError` at once, so
+  no run trains with wrong replayed gates.
+
 Gradient checkpointing recomputes a layer in backward, running its router hook again. A hook that
 runs inside the autograd engine is such a recompute: it records nothing and routes by the ids that
 layer's latest forward used (replayed or free), even when backward runs after replay() has closed.
@@ -30,7 +40,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from moe_rl.routing.trace import RoutingTrace, ids_dtype
+from moe_rl.routing.trace import RoutingTrace, ids_dtype, token_digest
 
 # Shape legend: B rows, T tokens per row, N = B*T flattened tokens, K top-k, E experts, L layers.
 
@@ -39,12 +49,53 @@ class RoutingReplayError(RuntimeError):
     """A replay trace does not match the forward it is replayed on."""
 
 
+class UnsupportedRouterError(ValueError):
+    """A router whose gates the controller cannot rebuild from expert ids (replay would use wrong gates)."""
+
+
+def replay_gates(module: nn.Module, logits_NE: torch.Tensor, ids_NK: torch.Tensor) -> torch.Tensor:
+    """Gates of experts `ids_NK` as the softmax-top-k families compute them, differentiable in the logits:
+    softmax over all experts (float32, or float64 for float64 models), gathered at the ids, renormalised
+    over the k when the router does (`norm_topk_prob`; Mixtral's router has no flag and always does)."""
+    probs_NE = torch.softmax(logits_NE.to(torch.promote_types(logits_NE.dtype, torch.float32)), dim=-1)
+    gates_NK = probs_NE.gather(-1, ids_NK)
+    if getattr(module, "norm_topk_prob", True):
+        gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True)
+    return gates_NK
+
+
+def _check_gates(module: nn.Module, layer: int, logits_NE, scores_NK, ids_NK) -> None:
+    """Raise UnsupportedRouterError unless `replay_gates` at the router's own ids equals its own gates."""
+    rebuilt_NK = replay_gates(module, logits_NE.detach(), ids_NK).float()
+    tol = max(1e-5, 4 * torch.finfo(scores_NK.dtype).eps)
+    err = (rebuilt_NK - scores_NK.detach().float()).abs().max().item()
+    if not err <= tol:
+        raise UnsupportedRouterError(
+            f"{type(module).__name__} (MoE layer {layer}): gates rebuilt from its own top-k ids as "
+            f"softmax-then-gather differ from the router's own by {err:.3g} (tolerance {tol:.1g}). "
+            "moe-rl cannot replay this router's routing (its gate is not a softmax over the experts, e.g. "
+            "sigmoid-gated or with a selection bias); use a softmax-gated family (qwen3_moe, qwen2_moe, "
+            "olmoe, mixtral)"
+        )
+
+
 def _is_router(module: nn.Module) -> bool:
     return (
         type(module).__name__.endswith("TopKRouter")
         and hasattr(module, "top_k")
         and hasattr(module, "num_experts")
     )
+
+
+def _input_embedding(model: nn.Module) -> nn.Module | None:
+    """The token embedding of a transformers model, or None (a bare MoE block sees no token ids)."""
+    get = getattr(model, "get_input_embeddings", None)
+    if get is None:
+        return None
+    try:
+        return get()
+    except NotImplementedError:
+        return None
 
 
 def _in_backward() -> bool:
@@ -60,6 +111,14 @@ class Recorder:
         self.with_logits = with_logits
         self._ids: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._logits: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._digest_B: torch.Tensor | None = None
+        self._tokens_seen = 0
+
+    def add_tokens(self, token_ids_BT: torch.Tensor) -> None:
+        """Fold a forward's token ids into each row's digest, at their absolute positions."""
+        chunk_B = token_digest(token_ids_BT, start=self._tokens_seen)
+        self._digest_B = chunk_B if self._digest_B is None else self._digest_B + chunk_B
+        self._tokens_seen += token_ids_BT.shape[1]
 
     def add(self, layer: int, ids_BTK: torch.Tensor, logits_BTE: torch.Tensor | None) -> None:
         self._ids[layer].append(ids_BTK.to(ids_dtype(self.num_experts)))
@@ -77,13 +136,15 @@ class Recorder:
         logits = None
         if self.with_logits:
             logits = torch.stack([torch.cat(chunks, dim=1) for chunks in self._logits], dim=2)
-        return RoutingTrace(ids, self.num_experts, logits)
+        # Forwards fed embeddings instead of ids (or a bare block) leave no usable digest.
+        digest = self._digest_B if self._tokens_seen == ids.shape[1] else None
+        return RoutingTrace(ids, self.num_experts, logits, digest)
 
 
 class _Replayer:
     """Hands out, layer by layer, the next `T` time steps of a trace."""
 
-    def __init__(self, trace: RoutingTrace, num_layers: int, top_k: int) -> None:
+    def __init__(self, trace: RoutingTrace, num_layers: int, top_k: int, sees_tokens: bool) -> None:
         B, T, L, K = trace.shape
         if L != num_layers:
             raise RoutingReplayError(f"replay trace has {L} layers but the model has {num_layers} MoE layers")
@@ -91,8 +152,35 @@ class _Replayer:
             raise RoutingReplayError(
                 f"replay trace has k={K} experts per token but the model routes top-{top_k}"
             )
+        if sees_tokens and trace.token_digest_B is None:
+            raise RoutingReplayError(
+                "replay trace carries no token digest (sliced along time, recorded on a bare MoE block, or "
+                "from forwards fed embeddings): it cannot be checked against the tokens it is replayed on"
+            )
         self.trace = trace
         self.cursor = [0] * num_layers
+        self.sees_tokens = sees_tokens
+        self.token_cursor = 0
+        self.digest_B: torch.Tensor | None = None
+
+    def check_tokens(self, token_ids_BT: torch.Tensor) -> None:
+        """Fold a forward's tokens into each row's digest; once the trace's length is reached, compare it
+        with the trace's and raise naming the rows recorded on other tokens."""
+        (tB, tT), (B, T) = self.trace.shape[:2], token_ids_BT.shape
+        start = self.token_cursor
+        if B != tB or start + T > tT:
+            return  # the routers raise with the batch or length that does not fit
+        chunk_B = token_digest(token_ids_BT, start=start)
+        self.digest_B = chunk_B if self.digest_B is None else self.digest_B + chunk_B
+        self.token_cursor = start + T
+        if self.token_cursor == tT:
+            bad = (self.digest_B != self.trace.token_digest_B.to(chunk_B.device)).nonzero().flatten().tolist()
+            if bad:
+                shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+                raise RoutingReplayError(
+                    f"replay trace is misaligned with its inputs: rows [{shown}] ({len(bad)} of {B}) were "
+                    "recorded on other tokens than they are replayed on"
+                )
 
     def next_ids(self, layer: int, B: int, T: int, device: torch.device) -> torch.Tensor:
         tB, tT = self.trace.shape[:2]
@@ -119,6 +207,11 @@ class _Replayer:
                 f"replay trace has length {tT} but the forwards inside replay() used {min(self.cursor)}: "
                 "the trace does not match the forward's length"
             )
+        if self.sees_tokens and self.token_cursor != tT:
+            raise RoutingReplayError(
+                f"replay trace has length {tT} but the model's embedding saw {self.token_cursor} token "
+                "positions: forwards fed embeddings instead of token ids cannot be checked"
+            )
 
 
 class RoutingController:
@@ -134,6 +227,7 @@ class RoutingController:
         self.num_experts = routers[0].num_experts
         self._recorder: Recorder | None = None
         self._replayer: _Replayer | None = None
+        self._gates_checked = [False] * self.num_layers
         self._shape: list[tuple[int, int] | None] = [None] * self.num_layers
         # Ids each layer's latest (non-recompute) forward was routed by under replay, else None.
         self._last_replayed: list[torch.Tensor | None] = [None] * self.num_layers
@@ -151,6 +245,21 @@ class RoutingController:
             raise ValueError("could not find the MoE block that owns each router (expected `block.gate`)")
         for i, router in enumerate(routers):
             self._handles.append(router.register_forward_hook(self._make_router_hook(i)))
+        embedding = _input_embedding(model)
+        self.sees_tokens = embedding is not None
+        if embedding is not None:
+            self._handles.append(embedding.register_forward_pre_hook(self._token_hook))
+
+    def _token_hook(self, module, args) -> None:
+        if _in_backward() or not args:
+            return
+        ids_BT = args[0]
+        if ids_BT.dim() == 1:
+            ids_BT = ids_BT.unsqueeze(0)
+        if self._recorder is not None:
+            self._recorder.add_tokens(ids_BT)
+        if self._replayer is not None:
+            self._replayer.check_tokens(ids_BT)
 
     def remove(self) -> None:
         """Remove every hook; the model is as it was."""
@@ -174,24 +283,32 @@ class RoutingController:
                 B, T = self._shape[layer]
                 if self._recorder is not None:
                     self._recorder.add(layer, ids_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1))
+                if not self._gates_checked[layer] and ids_NK.shape[0]:  # the router's own choice and gates
+                    _check_gates(module, layer, logits_NE, scores_NK, ids_NK)
+                    self._gates_checked[layer] = True
                 ids_NK = (
                     None if self._replayer is None else self._replayer.next_ids(layer, B, T, logits_NE.device)
                 )
                 self._last_replayed[layer] = ids_NK
             if ids_NK is None:
                 return None
-            # Families take the softmax in float32; float64 models keep float64 (finite-difference tests).
-            probs_NE = torch.softmax(
-                logits_NE.to(torch.promote_types(logits_NE.dtype, torch.float32)), dim=-1
-            )
-            gates_NK = probs_NE.gather(-1, ids_NK)
-            if getattr(
-                module, "norm_topk_prob", True
-            ):  # Mixtral's router has no flag: it always renormalises
-                gates_NK = gates_NK / gates_NK.sum(dim=-1, keepdim=True)
+            gates_NK = replay_gates(module, logits_NE, ids_NK)
             return logits_NE, gates_NK.to(torch.promote_types(scores_NK.dtype, logits_NE.dtype)), ids_NK
 
         return hook
+
+    @torch.no_grad()
+    def verify_gates(self, model: nn.Module, input_ids_BT: torch.Tensor) -> None:
+        """Run one free forward of `model` on `input_ids_BT` so that every router's gate function is
+        checked now (at start-up) rather than at its first forward; raises UnsupportedRouterError."""
+        if self._recorder is not None or self._replayer is not None:
+            raise RuntimeError("verify_gates() runs outside record() and replay()")
+        was_training = model.training
+        model.eval()
+        try:
+            model(input_ids_BT)
+        finally:
+            model.train(was_training)
 
     @contextlib.contextmanager
     def record(self, with_logits: bool = False) -> Iterator[Recorder]:
@@ -211,7 +328,7 @@ class RoutingController:
             raise RuntimeError("replay() is already open on this model")
         if trace is None:
             raise RoutingReplayError("replay() needs a trace; got None")
-        self._replayer = _Replayer(trace, self.num_layers, self.top_k)
+        self._replayer = _Replayer(trace, self.num_layers, self.top_k, self.sees_tokens)
         ok = False
         try:
             yield

@@ -101,6 +101,8 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=True if not sharded else None
     )
+    # Not transformers' get_constant_schedule_with_warmup: it counts from 0, so the first optimizer step
+    # (the on-policy mini-batch) would run at lr 0. Here step s runs at (s + 1) / warmup of the peak.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps))
     )
@@ -122,6 +124,13 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
         train_model,
         sharded,
     )
+    # One forward on a task prompt checks every router's gate function now, before any compute: a family
+    # whose gates the controller cannot rebuild fails here in one line (UnsupportedRouterError).
+    probe = ctx.prompt(ctx.task.examples("train", 1, seed=0)[0].prompt)
+    probe_ids = tokenizer(probe, return_tensors="pt").input_ids.to(t.device)
+    ctx.controller.verify_gates(model, probe_ids)
+    if sampler is not None:
+        ctx.sampler_controller.verify_gates(sampler, probe_ids)
     info = {"warmstart_accuracy": ws.accuracy if ws else None, "warmstart_path": str(ws.path) if ws else None}
     return ctx, info
 

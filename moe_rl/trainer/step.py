@@ -16,6 +16,11 @@ its ratios are exactly 1. Expert change is measured on each mini-batch's trainin
 update: the routers' free top-k against the old policy's. Under replay the free choice at layer l is
 taken given the replayed routing of layers < l (one forward, no extra cost); with replay off it is
 exactly the paper's quantity.
+
+Replay sources (routing.replay): `off` routes freely everywhere; `old` (R2) replays the old-policy
+forward's routing in the update forwards; `rollout` (R3, arXiv 2510.11370, as NeMo RL does) replays the
+sampler's routing in the old-policy forward *and* the update forwards, so that π_old, π_θ and the
+sampler all see the same experts. A replay source whose trace is missing raises; nothing falls back.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
 from moe_rl.objectives import OBJECTIVES, group_advantages
-from moe_rl.rollout import Rollout, response_logprobs, sample
+from moe_rl.rollout import Rollout, response_logprobs_and_aux, sample
 from moe_rl.routing import (
     RoutingController,
+    RoutingReplayError,
     RoutingTrace,
     expert_change_by_layer,
     expert_change_fraction,
@@ -175,24 +181,38 @@ def _rollout_metrics(rows: list[list[float]]) -> dict[str, float]:
     }
 
 
+def _sampler_trace(batch: Batch, sl: slice) -> RoutingTrace:
+    """The sampler's routing of a mini-batch, for R3; raises rather than fall back to free routing."""
+    if batch.sampler_trace is None:
+        raise RoutingReplayError("routing.replay=rollout needs the sampler's routing trace, but none was recorded")
+    return batch.sampler_trace.rows(sl)
+
+
+def _replaying(ctx: StepContext, trace: RoutingTrace | None):
+    """`replay(trace)`, or no replay for `routing.replay=off` only (trace None)."""
+    return ctx.controller.replay(trace) if trace is not None else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def _old_policy(
     ctx: StepContext, batch: Batch, slices: list[slice]
 ) -> tuple[list[torch.Tensor], list[RoutingTrace]]:
-    """Old-policy log-probs and routing (with logits), one forward per mini-batch."""
+    """Old-policy log-probs and routing (with logits), one forward per mini-batch. Under R3 the forward
+    replays the sampler's routing; the trace it returns is then the routers' free choice given the
+    replayed layers above (what expert change is measured against)."""
     R = batch.response_mask_BR.shape[1]
     logps, traces = [], []
     for sl in slices:
-        with ctx.controller.record(with_logits=True) as rec:
-            logps.append(
-                response_logprobs(
-                    ctx.model,
-                    batch.input_ids_BS[sl],
-                    batch.attention_mask_BS[sl],
-                    R,
-                    ctx.cfg.sampler.temperature or 1.0,
-                )
+        replay = _sampler_trace(batch, sl) if ctx.cfg.routing.replay == "rollout" else None
+        with ctx.controller.record(with_logits=True) as rec, _replaying(ctx, replay):
+            logp_bR, _ = response_logprobs_and_aux(
+                ctx.model,
+                batch.input_ids_BS[sl],
+                batch.attention_mask_BS[sl],
+                R,
+                ctx.cfg.sampler.temperature or 1.0,
             )
+            logps.append(logp_bR)
         traces.append(rec.trace)
     return logps, traces
 
@@ -217,26 +237,32 @@ def _update(
     old_logp_bR: torch.Tensor,
     old_trace: RoutingTrace,
     loss_scale: float = 1.0,
-) -> tuple[dict[str, float], torch.Tensor]:
-    """One optimizer step on a mini-batch; returns its metrics and per-layer expert change."""
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """One optimizer step on a mini-batch; returns its metrics and its expert change: `layers`, per layer
+    over valid positions, and `response`, over response positions (`_response_positions`)."""
     cfg = ctx.cfg
     R = batch.response_mask_BR.shape[1]
     replay = {
-        "off": None,
-        "old": old_trace,
-        "rollout": None if batch.sampler_trace is None else batch.sampler_trace.rows(sl),
-    }[cfg.routing.replay]
+        "off": lambda: None,
+        "old": lambda: old_trace,
+        "rollout": lambda: _sampler_trace(batch, sl),
+    }[cfg.routing.replay]()
     ctx.model.train()
     ids_bS, attn_bS = batch.input_ids_BS[sl], batch.attention_mask_BS[sl]
     temperature = cfg.sampler.temperature or 1.0
-    replaying = ctx.controller.replay(replay) if replay is not None else contextlib.nullcontext()
-    with ctx.controller.record() as rec, replaying:
-        logp_bR = response_logprobs(ctx.train_model, ids_bS, attn_bS, R, temperature)
-    change_L = expert_change_by_layer(rec.trace, old_trace, batch.valid_BS1[sl])
+    aux_coef = cfg.model.router_aux_loss_coef
+    with ctx.controller.record() as rec, _replaying(ctx, replay):
+        logp_bR, aux_loss = response_logprobs_and_aux(
+            ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0
+        )
+    change = {
+        "layers": expert_change_by_layer(rec.trace, old_trace, batch.valid_BS1[sl]).tolist(),
+        "response": [expert_change_fraction(rec.trace, old_trace, _response_positions(batch, sl))],
+    }
     ref_logp = None
     if ctx.ref_model is not None:
         with torch.no_grad():
-            ref_logp = response_logprobs(ctx.ref_model, ids_bS, attn_bS, R, temperature)
+            ref_logp, _ = response_logprobs_and_aux(ctx.ref_model, ids_bS, attn_bS, R, temperature)
     o = cfg.objective
     loss, metrics = OBJECTIVES[o.name](
         logp_bR,
@@ -251,6 +277,9 @@ def _update(
         ref_logp=ref_logp,
         extreme_band=tuple(o.extreme_band),
     )
+    if aux_loss is not None:  # the family's load-balancing loss (model.router_aux_loss_coef > 0)
+        loss = loss + aux_coef * aux_loss
+        metrics["train/aux_loss"] = aux_loss.item()
     loss = loss * loss_scale
     metrics["train/loss"] = loss.item()
     metrics["train/grad_norm"] = math.nan
@@ -258,7 +287,7 @@ def _update(
     loss_sum = ctx.dist.sum([metrics["train/loss"]])[0]
     if not math.isfinite(loss_sum):
         ctx.detector.nonfinite(step, loss_sum / ctx.dist.world)
-        return metrics, change_L
+        return metrics, change
     ctx.dist.collective(loss.backward)  # DDP and FSDP reduce gradients across ranks in backward
     norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), cfg.trainer.grad_clip)
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
@@ -269,7 +298,7 @@ def _update(
         ctx.detector.nonfinite(step, grad_norm)
     ctx.optimizer.zero_grad(set_to_none=True)
     ctx.scheduler.step()
-    return metrics, change_L
+    return metrics, change
 
 
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
@@ -298,9 +327,9 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
 
     per_mb, changes = [], []
     for j, scale in enumerate(_loss_scales(ctx, batch, slices)):
-        m, change_L = _update(ctx, step, batch, slices[j], old_logps[j], old_traces[j], scale)
+        m, change = _update(ctx, step, batch, slices[j], old_logps[j], old_traces[j], scale)
         per_mb.append(m)
-        changes.append(change_L)
+        changes.append(change)
     ctx.sync_sampler()
     t3 = time.perf_counter()
 
@@ -334,7 +363,7 @@ def _reduced_metrics(
     batch: Batch,
     slices: list[slice],
     per_mb: list[dict[str, float]],
-    changes: list[torch.Tensor],
+    changes: list[dict[str, list[float]]],
     local: dict[str, float],
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
     """The step's metrics over all ranks (one gather; identical on every rank), and each mini-batch's."""
@@ -348,7 +377,7 @@ def _reduced_metrics(
         {
             "rows": torch.stack(rows, 1).tolist(),
             "per_mb": per_mb,
-            "changes": [change_L.tolist() for change_L in changes],
+            "changes": changes,
             "mb_counts": [_counts(batch, sl) for sl in slices],
             "local": local,
             "counts": _counts(batch, slice(None)),
@@ -361,15 +390,26 @@ def _reduced_metrics(
     for key in per_mb[0]:
         metrics[key] = _mean([m[key] for m in per_mb])
     metrics["train/lr"] = ctx.scheduler.get_last_lr()[0]
-    # Each mini-batch's per-layer expert change over all ranks: a mean over valid positions.
-    changes = [
-        sum(torch.tensor(r["changes"][j]) * c["positions"] for r, c in zip(ranks, mb_counts[j], strict=True))
-        / sum(c["positions"] for c in mb_counts[j])
-        for j in range(M)
-    ]
-    metrics.update(_change_metrics(changes))
+    # Each mini-batch's expert change over all ranks: per layer a mean over valid positions, over the
+    # response a mean over response tokens.
+    def over_ranks(j: int, key: str, weight: str) -> torch.Tensor:
+        pairs = list(zip(ranks, mb_counts[j], strict=True))
+        total = sum(torch.tensor(r["changes"][j][key]) * c[weight] for r, c in pairs)
+        return total / max(sum(c[weight] for _, c in pairs), 1.0)
+
+    layers = [over_ranks(j, "layers", "positions") for j in range(M)]
+    response = [float(over_ranks(j, "response", "tokens")) for j in range(M)]
+    metrics.update(_change_metrics(layers, response))
     metrics.update(reduce_metrics([r["local"] for r in ranks], [r["counts"] for r in ranks]))
     return metrics, per_mb
+
+
+def _response_positions(batch: Batch, sl: slice) -> torch.Tensor:
+    """`[b, S1]` bool: the forward positions whose next-token prediction is a response token (the R
+    positions that produce the response log-probs), where the paper's expert change is meant."""
+    mask_bR = batch.response_mask_BR[sl]
+    b, S1 = batch.valid_BS1[sl].shape
+    return torch.cat([mask_bR.new_zeros(b, S1 - mask_bR.shape[1]), mask_bR], dim=1)
 
 
 def _counts(batch: Batch, sl: slice) -> dict[str, float]:
@@ -399,12 +439,14 @@ def _routing_metrics(
     return out
 
 
-def _change_metrics(changes: list[torch.Tensor]) -> dict[str, float]:
-    """Expert-change metrics from each mini-batch's per-layer change `[L]` (metric table in __init__.py)."""
+def _change_metrics(changes: list[torch.Tensor], response: list[float]) -> dict[str, float]:
+    """Expert-change metrics from each mini-batch's per-layer change `[L]` and its change over response
+    positions (metric table in __init__.py)."""
     out = {"routing/expert_change/first_minibatch": float(changes[0].mean())}
     if len(changes) > 1:
         later_L = torch.stack(changes[1:]).mean(0)
         out["routing/expert_change/frac"] = float(later_L.mean())
+        out["routing/expert_change/response_frac"] = _mean(response[1:])
         out["routing/expert_change/after_one_update"] = float(changes[1].mean())
         out.update({f"routing/expert_change/layer_{i}": float(v) for i, v in enumerate(later_L)})
     return out
