@@ -61,7 +61,19 @@ class RoutingConfig:
 
     replay: str = "off"
     """off: routers choose freely; old: the old-policy forward's routing (Routing Replay, R2);
-    rollout: the sampler's routing (rollout routing replay, R3)."""
+    rollout: the sampler's routing in the old-policy and update forwards (rollout routing replay, R3)."""
+    drift: float = 0.0
+    """Injected routing drift p in [0, 1]: emulated expert volatility in the policy's update forwards.
+    In a fraction p of (token, MoE layer) slots one of the router's top-k experts is swapped for one it
+    did not choose (moe_rl.routing.Drift); the swapped-in expert's gate comes from the live router, so
+    gradients flow as under natural re-routing. Expert change grows by about p / top_k. The sampler and
+    the old-policy forward never drift, and replay wins: under routing.replay=old or rollout the replayed
+    experts are used and the drift has no effect. Draws come from their own generator, seeded from
+    (seed, step, mini-batch), so changing p never changes the rollouts."""
+    drift_from_minibatch: int = 2
+    """First mini-batch (1-based) of each step whose update forward drifts. 2 (default): only the
+    off-policy mini-batches, modelling update-induced volatility (GSPO paper, section 5.3). 1: the
+    on-policy mini-batch too, modelling sampler/trainer routing mismatch (as studied for R3)."""
 
 
 @dataclass
@@ -194,6 +206,10 @@ class Config:
             )
         if self.routing.replay not in REPLAY_SOURCES:
             raise ValueError(f"routing.replay={self.routing.replay!r}: expected one of {REPLAY_SOURCES}")
+        if not 0 <= self.routing.drift <= 1:  # also false for NaN
+            raise ValueError(f"routing.drift={self.routing.drift}: must be in [0, 1]")
+        if self.routing.drift_from_minibatch < 1:
+            raise ValueError(f"routing.drift_from_minibatch={self.routing.drift_from_minibatch}: must be >= 1")
         self.sampler.validate()
         t = self.trainer
         for name in ("steps", "prompts_per_step", "mini_batches"):

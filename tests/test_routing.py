@@ -312,3 +312,45 @@ def test_expert_load_and_entropy():
     )
     with pytest.raises(ValueError, match="with_logits"):
         router_entropy(RoutingTrace(ids, 4), torch.ones(1, 3, dtype=torch.bool))
+
+
+def test_drift_swaps_one_expert_in_a_fraction_of_slots(tokenizer):
+    """Drift at p swaps exactly one of the K experts for a non-chosen one in about a fraction p of (token,
+    layer) slots; layer 0's expert change is then exactly swapped/K; p = 0 leaves the forward bitwise as is."""
+    model = _model(tokenizer, "qwen3_moe", num_experts=8, top_k=2)
+    ctl = RoutingController(model)
+    x = _tokens(tokenizer, B=8, T=40)
+    with torch.no_grad(), ctl.record() as free:
+        ref = model(x).logits
+    with torch.no_grad(), ctl.record() as rec, ctl.drift(0.3, torch.Generator().manual_seed(0)) as drift:
+        out = model(x).logits
+    applied_BTL = drift.applied_BTL
+    assert applied_BTL.shape == (8, 40, 4)
+    assert abs(applied_BTL.float().mean().item() - 0.3) < 0.05
+    a, b = free.trace.expert_ids[:, :, 0].long(), rec.trace.expert_ids[:, :, 0].long()  # [B, T, K]
+    overlap = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1)
+    assert torch.equal(overlap == 1, applied_BTL[:, :, 0]) and bool((overlap >= 1).all())
+    assert not torch.equal(out, ref)
+    with torch.no_grad(), ctl.drift(0.0, torch.Generator().manual_seed(0)) as none:
+        assert torch.equal(model(x).logits, ref)
+    assert not none.applied_BTL.any()
+
+
+def test_drift_yields_to_replay_and_keeps_router_gradients(tokenizer):
+    """Under an open replay, drift draws nothing and the forward equals the plain replay; drifted forwards
+    give the router weights non-zero gradients through the live gates of the experts actually used."""
+    model = _model(tokenizer, "qwen3_moe")
+    ctl = RoutingController(model)
+    x = _tokens(tokenizer, B=2, T=9)
+    with torch.no_grad(), ctl.record() as rec:
+        model(x)
+    with torch.no_grad(), ctl.replay(rec.trace):
+        replayed = model(x).logits
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    with torch.no_grad(), ctl.replay(rec.trace), ctl.drift(1.0, g):
+        assert torch.equal(model(x).logits, replayed)
+    assert torch.equal(g.get_state(), state)
+    with ctl.drift(1.0, torch.Generator().manual_seed(0)):
+        model(x).logits.square().mean().backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in ctl.routers)

@@ -76,6 +76,9 @@ def test_objective_presets_set_paper_clip_ranges_and_replay():
         ("objective.name=ppo", "objective.name"),
         ("sampler.max_new_tokens=2", "sampler.max_new_tokens"),
         ("trainer.sampler_dtype=bfloat16 trainer.reuse_sampler_logp=true", "trainer.reuse_sampler_logp"),
+        ("routing.drift=1.5", "routing.drift"),
+        ("routing.drift=nan", "routing.drift"),
+        ("routing.drift_from_minibatch=0", "routing.drift_from_minibatch"),
     ],
 )
 def test_invalid_config_fails_fast_with_field_name(tmp_path, override, field):
@@ -160,6 +163,52 @@ def test_router_aux_loss_is_added_and_logged():
     aux = out[0.05]["train/aux_loss"]
     assert aux > 0.5  # the Switch loss is about top_k for balanced routing
     assert out[0.05]["train/loss"] == pytest.approx(out[0.0]["train/loss"] + 0.05 * aux, abs=1e-6)
+
+
+def _first_step(overrides: list[str]) -> tuple[dict, object]:
+    cfg = compose_config(["warmstart.enabled=false", "objective=grpo", "trainer.lr=3e-3", *TINY, *overrides])
+    ctx, _ = _context(cfg)
+    return rl_step(ctx, 0), ctx
+
+
+@pytest.mark.parametrize("replay", ["old", "rollout"])
+def test_replay_wins_over_drift_bitwise(replay):
+    """Under replay, the same seed with routing.drift 0 and 0.2 gives bitwise-identical losses and metrics."""
+    a, _ = _first_step([f"routing.replay={replay}", "routing.drift=0.0"])
+    b, _ = _first_step([f"routing.replay={replay}", "routing.drift=0.2"])
+    assert b["routing/drift/applied_frac"] == 0.0
+    skip = ("time/", "throughput/", "routing/drift/")
+    keys = [k for k in a if not k.startswith(skip)]
+    assert keys and all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in keys)
+
+
+def test_drift_shows_in_expert_change_and_never_touches_rollouts():
+    """With replay off, drift p = 0.4 is measured (applied_frac near p), raises the expert change of the
+    update forwards by about p / K, leaves the on-policy mini-batch alone (drift_from_minibatch=2), and
+    consumes no draw of the sampling or shuffling generators."""
+    base, ctx0 = _first_step(["routing.drift=0.0"])
+    hot, ctx1 = _first_step(["routing.drift=0.4"])
+    assert "routing/drift/applied_frac" not in base
+    assert abs(hot["routing/drift/applied_frac"] - 0.4) < 0.1
+    K = ctx1.cfg.model.top_k
+    assert hot["routing/expert_change/frac"] > base["routing/expert_change/frac"] + 0.7 * 0.4 / K
+    assert hot["routing/expert_change/first_minibatch"] == 0.0
+    for name in ("rollout/reward/mean", "rollout/response_len/mean", "mismatch/logp_abs_diff/mean"):
+        assert hot[name] == base[name]
+    assert torch.equal(ctx0.sample_gen.get_state(), ctx1.sample_gen.get_state())
+    assert torch.equal(ctx0.shuffle_gen.get_state(), ctx1.shuffle_gen.get_state())
+    assert 0 <= hot["routing/rollout_vs_current/frac"] <= 1
+
+
+def test_drift_from_first_minibatch_breaks_on_policy_ratios():
+    """routing.drift_from_minibatch=1 drifts the on-policy mini-batch too: its token ratios leave 1."""
+    ctx, batch, slices, old_logps, old_traces = _step_parts("off", extra=("routing.drift=0.5",))
+    m, _ = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0], minibatch=0)
+    assert m["ratio/token/max"] == 1.0 and m["ratio/token/min"] == 1.0  # default: from mini-batch 2
+    ctx, batch, slices, old_logps, old_traces = _step_parts(
+        "off", extra=("routing.drift=0.5", "routing.drift_from_minibatch=1"))
+    m, change = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0], minibatch=0)
+    assert m["ratio/token/max"] > 1.0 and change["drift"][0] > 0
 
 
 def test_replay_old_keeps_routing_but_not_free_choice():

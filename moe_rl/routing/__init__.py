@@ -1,6 +1,7 @@
 """Instrumented MoE routers: record per-token expert choices as data, replay them, and measure them."""
 
 from moe_rl.routing.controller import (
+    Drift,
     Recorder,
     RoutingController,
     RoutingReplayError,
@@ -17,6 +18,7 @@ from moe_rl.routing.metrics import (
 from moe_rl.routing.trace import RoutingTrace, ids_dtype, token_digest
 
 __all__ = [
+    "Drift",
     "Recorder",
     "RoutingController",
     "RoutingReplayError",

@@ -141,6 +141,52 @@ class Recorder:
         return RoutingTrace(ids, self.num_experts, logits, digest)
 
 
+class Drift:
+    """Routing drift at rate p: emulated expert volatility (`RoutingController.drift`).
+
+    In each (token, MoE layer) slot, with probability p, one of the router's own top-k experts (chosen
+    uniformly) is swapped for an expert it did not choose (uniformly among the E - K others). The
+    swapped-in expert's gate comes from the live router (`replay_gates`), so gradients flow as under
+    natural re-routing. A slot's swap changes 1 of its K experts: expert change grows by p / K, plus the
+    natural change the swaps cause downstream. Draws come from `generator` alone (CPU), layer by layer.
+    `applied_BTL` records which slots were swapped.
+    """
+
+    def __init__(self, p: float, generator: torch.Generator, num_layers: int, top_k: int) -> None:
+        if not 0 <= p <= 1:
+            raise ValueError(f"drift rate p={p}: must be in [0, 1]")
+        self.p, self.generator, self.top_k = p, generator, top_k
+        self._applied: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def perturb(self, layer: int, ids_NK: torch.Tensor, B: int, T: int, num_experts: int) -> torch.Tensor:
+        """`ids_NK` with a fraction p of rows' one expert swapped for a non-chosen one; None when no row was
+        swapped (the router's own output then stands, bitwise)."""
+        N, K = ids_NK.shape
+        g = self.generator
+        swap_N = (torch.rand(N, generator=g) < self.p) & (num_experts > K)
+        slot_N = torch.randint(K, (N,), generator=g)
+        pick_N = torch.randint(max(num_experts - K, 1), (N,), generator=g)
+        self._applied[layer].append(swap_N.reshape(B, T))
+        if not swap_N.any():
+            return None
+        ids = ids_NK.cpu()
+        chosen_NE = torch.zeros(N, num_experts, dtype=torch.int8).scatter_(1, ids, 1)
+        # Non-chosen experts first, in index order (stable sort): the pick-th of them replaces the slot.
+        others_NE = torch.argsort(chosen_NE, dim=1, stable=True)
+        new_N = others_NE.gather(1, pick_N[:, None]).squeeze(1)
+        rows = swap_N.nonzero().squeeze(1)
+        out = ids.clone()
+        out[rows, slot_N[rows]] = new_N[rows].to(out.dtype)
+        return out.to(ids_NK.device)
+
+    @property
+    def applied_BTL(self) -> torch.Tensor:
+        """`[B, T, L]` bool: the slots whose routing was swapped, over every forward inside the block."""
+        if not self._applied[0]:
+            raise RuntimeError("no forward ran inside drift()")
+        return torch.stack([torch.cat(chunks, dim=1) for chunks in self._applied], dim=2)
+
+
 class _Replayer:
     """Hands out, layer by layer, the next `T` time steps of a trace."""
 
@@ -227,6 +273,7 @@ class RoutingController:
         self.num_experts = routers[0].num_experts
         self._recorder: Recorder | None = None
         self._replayer: _Replayer | None = None
+        self._drift: Drift | None = None
         self._gates_checked = [False] * self.num_layers
         self._shape: list[tuple[int, int] | None] = [None] * self.num_layers
         # Ids each layer's latest (non-recompute) forward was routed by under replay, else None.
@@ -281,13 +328,19 @@ class RoutingController:
                 ids_NK = self._last_replayed[layer]
             else:
                 B, T = self._shape[layer]
-                if self._recorder is not None:
-                    self._recorder.add(layer, ids_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1))
                 if not self._gates_checked[layer] and ids_NK.shape[0]:  # the router's own choice and gates
                     _check_gates(module, layer, logits_NE, scores_NK, ids_NK)
                     self._gates_checked[layer] = True
+                drifted_NK = None  # stays None unless drift swapped some slot: the router's output is kept
+                if self._drift is not None and self._replayer is None:  # replay wins over drift
+                    drifted_NK = self._drift.perturb(layer, ids_NK, B, T, self.num_experts)
+                if self._recorder is not None:  # the routing this forward would use, absent replay
+                    own_NK = ids_NK if drifted_NK is None else drifted_NK
+                    self._recorder.add(layer, own_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1))
                 ids_NK = (
-                    None if self._replayer is None else self._replayer.next_ids(layer, B, T, logits_NE.device)
+                    drifted_NK
+                    if self._replayer is None
+                    else self._replayer.next_ids(layer, B, T, logits_NE.device)
                 )
                 self._last_replayed[layer] = ids_NK
             if ids_NK is None:
@@ -320,6 +373,18 @@ class RoutingController:
             yield self._recorder
         finally:
             self._recorder = None
+
+    @contextlib.contextmanager
+    def drift(self, p: float, generator: torch.Generator) -> Iterator[Drift]:
+        """Inject routing drift into every forward inside the block that is not replayed (see `Drift`).
+        Replay wins: under an open `replay()` the replayed experts are used and nothing is drawn."""
+        if self._drift is not None:
+            raise RuntimeError("drift() is already open on this model")
+        self._drift = Drift(p, generator, self.num_layers, self.top_k)
+        try:
+            yield self._drift
+        finally:
+            self._drift = None
 
     @contextlib.contextmanager
     def replay(self, trace: RoutingTrace) -> Iterator[None]:

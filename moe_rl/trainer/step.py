@@ -229,6 +229,16 @@ def _loss_scales(ctx: StepContext, batch: Batch, slices: list[slice]) -> list[fl
     return [ctx.dist.world * n / max(total, 1.0) for n, total in zip(tokens, totals, strict=True)]
 
 
+def _drifting(ctx: StepContext, step: int, minibatch: int):
+    """`controller.drift(p, generator)` for this update forward, or None: drift is on when p > 0, replay is
+    off (replay wins) and the mini-batch (0-based) is at or after routing.drift_from_minibatch."""
+    r = ctx.cfg.routing
+    if r.drift == 0 or r.replay != "off" or minibatch + 1 < r.drift_from_minibatch:
+        return None
+    g = torch.Generator().manual_seed((ctx.cfg.seed * 1_000_003 + step) * 1_009 + minibatch)
+    return ctx.controller.drift(r.drift, g)
+
+
 def _update(
     ctx: StepContext,
     step: int,
@@ -237,9 +247,13 @@ def _update(
     old_logp_bR: torch.Tensor,
     old_trace: RoutingTrace,
     loss_scale: float = 1.0,
+    minibatch: int = 0,
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """One optimizer step on a mini-batch; returns its metrics and its expert change: `layers`, per layer
-    over valid positions, and `response`, over response positions (`_response_positions`)."""
+    """One optimizer step on mini-batch `minibatch` (0-based); returns its metrics and its routing change:
+    `layers`, the expert change per layer over valid positions; `response`, over response positions
+    (`_response_positions`); `rollout`, the sampler's routing vs this forward's; `drift`, [swapped slots,
+    valid slots] when routing.drift > 0. Expert change compares the routing this forward used absent
+    replay (free, or drifted) with the old policy's."""
     cfg = ctx.cfg
     R = batch.response_mask_BR.shape[1]
     replay = {
@@ -251,14 +265,26 @@ def _update(
     ids_bS, attn_bS = batch.input_ids_BS[sl], batch.attention_mask_BS[sl]
     temperature = cfg.sampler.temperature or 1.0
     aux_coef = cfg.model.router_aux_loss_coef
-    with ctx.controller.record() as rec, _replaying(ctx, replay):
+    drifting = _drifting(ctx, step, minibatch)
+    with (
+        ctx.controller.record() as rec,
+        _replaying(ctx, replay),
+        drifting if drifting is not None else contextlib.nullcontext() as drift,
+    ):
         logp_bR, aux_loss = response_logprobs_and_aux(
             ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0
         )
+    valid_bS1 = batch.valid_BS1[sl]
     change = {
-        "layers": expert_change_by_layer(rec.trace, old_trace, batch.valid_BS1[sl]).tolist(),
+        "layers": expert_change_by_layer(rec.trace, old_trace, valid_bS1).tolist(),
         "response": [expert_change_fraction(rec.trace, old_trace, _response_positions(batch, sl))],
     }
+    if batch.sampler_trace is not None:
+        change["rollout"] = [expert_change_fraction(batch.sampler_trace.rows(sl), rec.trace, valid_bS1)]
+    if cfg.routing.drift > 0:
+        slots = float(valid_bS1.sum()) * ctx.controller.num_layers
+        swapped = 0.0 if drift is None else float(drift.applied_BTL[valid_bS1.cpu()].sum())
+        change["drift"] = [swapped, slots]
     ref_logp = None
     if ctx.ref_model is not None:
         with torch.no_grad():
@@ -327,7 +353,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
 
     per_mb, changes = [], []
     for j, scale in enumerate(_loss_scales(ctx, batch, slices)):
-        m, change = _update(ctx, step, batch, slices[j], old_logps[j], old_traces[j], scale)
+        m, change = _update(ctx, step, batch, slices[j], old_logps[j], old_traces[j], scale, minibatch=j)
         per_mb.append(m)
         changes.append(change)
     ctx.sync_sampler()
@@ -400,6 +426,15 @@ def _reduced_metrics(
     layers = [over_ranks(j, "layers", "positions") for j in range(M)]
     response = [float(over_ranks(j, "response", "tokens")) for j in range(M)]
     metrics.update(_change_metrics(layers, response))
+    if "rollout" in changes[0]:
+        metrics["routing/rollout_vs_current/frac"] = _mean(
+            [float(over_ranks(j, "rollout", "positions")) for j in range(M)]
+        )
+    if "drift" in changes[0]:  # over the mini-batches that drift (all ranks): swapped / valid slots
+        first = ctx.cfg.routing.drift_from_minibatch - 1
+        swapped_slots = [r["changes"][j]["drift"] for r in ranks for j in range(first, M)]
+        slots = sum(n for _, n in swapped_slots)
+        metrics["routing/drift/applied_frac"] = sum(k for k, _ in swapped_slots) / slots if slots else 0.0
     metrics.update(reduce_metrics([r["local"] for r in ranks], [r["counts"] for r in ranks]))
     return metrics, per_mb
 
