@@ -13,6 +13,7 @@ from moe_rl.objectives import OBJECTIVES
 from moe_rl.objectives.common import AGGREGATIONS
 from moe_rl.rollout.sampler import SamplerConfig
 from moe_rl.tasks import TASKS, make_task
+from moe_rl.trainer.evaluate import EvalConfig
 from moe_rl.warmstart import WarmStartConfig
 
 REPLAY_SOURCES = ("off", "old", "rollout")
@@ -167,6 +168,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     """Seed of sampling, shuffling and the task stream (the model's init seed is model.seed)."""
@@ -258,5 +260,6 @@ class Config:
         if self.logger.mode not in WANDB_MODES:
             raise ValueError(f"logger.mode={self.logger.mode!r}: expected one of {WANDB_MODES}")
         self.warmstart.validate()
+        self.eval.validate()
         if self.seed < 0:
             raise ValueError(f"seed={self.seed}: must be >= 0")

@@ -248,6 +248,8 @@ def _check_run(run_dir: Path) -> None:
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no W&B offline run files"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == 2 and (run_dir / "checkpoint.pt").exists()
+    for key in ("eval/accuracy", "eval/accuracy_greedy", "eval/response_len", "time/eval_s"):
+        assert _finite(rows[-1][key]) and _finite(summary["final"][key]), key
 
 
 def test_console_command_end_to_end_gspo(tmp_path, warm_overrides):
@@ -262,8 +264,23 @@ def test_console_command_end_to_end_presets(tmp_path, warm_overrides, preset):
     _check_run(_run_console(tmp_path, preset, [], warm_overrides))
 
 
+def test_heldout_eval_is_logged_and_never_changes_training(tmp_path, warm_overrides):
+    """eval.every=2 over 3 steps logs eval/* after steps 2 and 3 (the last) only, with accuracies in [0, 1];
+    the training metrics equal those of a run with evaluation off."""
+    cfg = compose_config([*TINY, *warm_overrides, "objective=grpo", "trainer.steps=3", "logger.wandb=false",
+                          "eval.every=2", "eval.size=16"])
+    train(cfg, tmp_path / "on")
+    train(replace(cfg, eval=replace(cfg.eval, size=0)), tmp_path / "off")
+    on, off = _read_metrics(tmp_path / "on"), _read_metrics(tmp_path / "off")
+    assert [("eval/accuracy" in r) for r in on] == [False, True, True]
+    assert not any("eval/accuracy" in r for r in off)
+    assert all(0 <= r[k] <= 1 for r in on[1:] for k in ("eval/accuracy", "eval/accuracy_greedy"))
+    assert _comparable(off) == _comparable(on)
+
+
 def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+    """Rows without timings and held-out eval (a run cut short also evaluates at its own last step)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "eval/"))} for r in rows]
 
 
 def test_resume_matches_uninterrupted_run(tmp_path, warm_overrides):

@@ -26,6 +26,7 @@ from moe_rl.routing import RoutingController
 from moe_rl.tasks import make_task
 from moe_rl.trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from moe_rl.trainer.collapse import CollapseDetector
+from moe_rl.trainer.evaluate import evaluate
 from moe_rl.trainer.distributed import (
     Dist,
     check_world,
@@ -211,18 +212,26 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     )
     metrics: dict[str, float] = {}
     steps_done = start
+    eval_examples = ctx.task.examples("eval", cfg.eval.size, cfg.eval.seed)
+    eval_prompts = [ctx.prompt(ex.prompt) for ex in eval_examples]
     for step in bar:
         metrics = rl_step(ctx, step)
         steps_done = step + 1
-        local.log(step, metrics)
-        wb.log(metrics, step=step)
         new = [e for e in ctx.detector.events if e.step == step]
-        for event in new:
-            local.event(dataclasses.asdict(event))
-        bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", events=len(ctx.detector.events))
         last = step + 1 == cfg.trainer.steps
         if new and cfg.collapse.stop_on_collapse:
             stopped_on = dataclasses.asdict(new[0])
+        if cfg.eval.due(step, last or bool(stopped_on)):
+            metrics.update(
+                evaluate(
+                    ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, cfg.eval.seed
+                )
+            )
+        local.log(step, metrics)
+        wb.log(metrics, step=step)
+        for event in new:
+            local.event(dataclasses.asdict(event))
+        bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", events=len(ctx.detector.events))
         if (
             last
             or stopped_on
