@@ -19,17 +19,22 @@ log the same quantity:
 | `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches |
 | `train/loss`, `train/grad_norm` | mean over mini-batches (grad norm before clipping) |
 | `train/lr` | learning rate after the step |
-| `routing/expert_change/frac` | mean over mini-batches 2..M of 1 - \\|A∩B\\|/K: the current policy's free top-k (A) vs the old policy's (B) on the same tokens, before that mini-batch's update |
+| `train/aux_loss` | the family's load-balancing loss of the update forward, mean over mini-batches (only when `model.router_aux_loss_coef` > 0; the loss adds coef x this) |
+| `routing/expert_change/frac` | mean over mini-batches 2..M of 1 - \\|A∩B\\|/K: the routing the current policy's update forward uses absent replay (A: its free top-k, or the drifted one under `routing.drift`) vs the old policy's (B) on the same tokens, before that mini-batch's update; over all valid positions, prompt included |
+| `routing/expert_change/response_frac` | the same over response positions only (the R positions whose outputs are the response log-probs): the paper's quantity |
 | `routing/expert_change/after_one_update` | the same on mini-batch 2 only: the paper's "after each gradient update" |
 | `routing/expert_change/layer_{i}` | the mini-batch 2..M mean, per layer |
 | `routing/expert_change/first_minibatch` | the same on mini-batch 1 (no update yet: 0 in fp32, a sanity check) |
-| `routing/rollout_vs_old/frac` | sampler routing vs old-policy routing, same measure |
+| `routing/rollout_vs_old/frac` | sampler routing vs old-policy routing, same measure (under R3 the old policy's free choice given the replayed layers above) |
+| `routing/rollout_vs_current/frac` | sampler routing vs the update forwards' routing (as in `expert_change/frac`), mean over all M mini-batches |
+| `routing/drift/applied_frac` | measured fraction of (valid position, layer) slots whose routing `routing.drift` swapped, over the mini-batches that drift (0 under replay: replay wins); only when `routing.drift` > 0 |
 | `routing/load_cv/mean` | per-layer coefficient of variation of tokens per expert (old policy), mean over layers |
 | `routing/entropy/mean` | router entropy (nats) of the old policy, mean over layers |
 | `routing/replay_cache_bytes` | bytes of expert ids held for replay this step (0 when replay is off) |
-| `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens (0 by construction with `trainer.reuse_sampler_logp`) |
+| `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens, where the old-policy log-probs are those the objective uses as π_old, under the arm's replay (R3 replays the sampler's routing there; 0 by construction with `trainer.reuse_sampler_logp`) |
 | `collapse/events`, `collapse/new_events` | collapse events so far, and those of this step (see collapse.py) |
 | `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages (`time/old_forward_s` is ~0 with `trainer.reuse_sampler_logp`) |
 | `throughput/tokens_per_s` | (prompt + response tokens of the batch) / step seconds |
 | `throughput/sampler_tokens_per_s` | response tokens sampled / rollout seconds |
+| `eval/accuracy`, `eval/accuracy_greedy`, `eval/response_len`, `time/eval_s` | held-out evaluation (moe_rl.trainer.evaluate), only on the steps it runs: every `eval.every` steps and the last |
 """
