@@ -214,3 +214,28 @@ def test_cli_rejects_bad_smoothing_and_permutations(tmp_path):
             parse_args([str(tmp_path), "--out", str(tmp_path / "o"), *bad])
         assert err.value.code == 2
     assert parse_args([str(tmp_path), "--out", "o", "--smooth", "0.9"]).smooth == 0.9
+
+
+def test_analyze_cli_with_eval_runs_smooths_and_reports_pairs(tmp_path):
+    """moe-rl-analyze --smooth/--permutations on runs with eval rows: an eval figure, the smoothing stated, and a pairs table with its verdicts in report.md and table.json."""
+    import json
+
+    from analysis.cli import main as analyze_main
+
+    for seed in range(2):
+        for preset, acc in (("grpo", 0.3), ("gspo", 0.6)):
+            rows = _metrics([0.1, 0.2, 0.3, 0.4])
+            for step in (1, 3):
+                rows[step]["eval/accuracy"] = acc + 0.1 * seed + 0.01 * step
+                rows[step]["eval/accuracy_greedy"] = acc
+            _write_run(tmp_path / "sweep" / f"{preset}{seed}", _config(preset, seed, 1e-4), rows)
+    out = tmp_path / "out"
+    analyze_main([str(tmp_path / "sweep"), "--out", str(out), "--smooth", "0.5", "--permutations", "50"])
+    text = (out / "report.md").read_text()
+    assert "(eval_accuracy.png)" in text and (out / "eval_accuracy.png").stat().st_size > 10_000
+    assert "smoothed per seed by an EMA of weight 0.5" in text
+    [pair] = json.loads((out / "table.json").read_text())["pairs"]
+    assert (pair["a"], pair["b"], pair["outcome"]) == ("grpo (replay=off)", "gspo (replay=off)", "final eval accuracy")
+    assert pair["outcome_diff"]["diff"] == pytest.approx(-0.3, rel=1e-12)
+    assert "## Pairwise differences" in text and "no verdict possible: 2 seed(s)" in text
+    assert (out / "pairs_table.md").read_text().startswith("**Warning:**")
