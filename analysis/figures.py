@@ -179,7 +179,10 @@ def plot_eval_accuracy(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Pa
     for label, color in _colors(groups).items():
         for ax, key in zip(axes, keys, strict=True):
             # Only eval rows: smoothing then runs over eval steps, not over the nan rows between them.
-            evals = [Run(r.config, [row for row in r.rows if key in row], r.events, r.source) for r in groups[label]]
+            evals = [
+                Run(r.config, [row for row in r.rows if key in row], r.events, r.source)
+                for r in groups[label]
+            ]
             evals = [r for r in evals if r.rows]
             if evals:
                 steps = aggregate(evals, lambda r, k=key: r.series(k))[0]
@@ -285,7 +288,10 @@ def plot_expert_change(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Pa
         ax.title.set_fontsize("medium")
         ax.grid(alpha=0.3)
     return _finish(
-        fig, axes, out_dir / "expert_change.png", f"Expert change vs the old policy (band: {BAND}{_smooth_note(smooth)})"
+        fig,
+        axes,
+        out_dir / "expert_change.png",
+        f"Expert change vs the old policy (band: {BAND}{_smooth_note(smooth)})",
     )
 
 

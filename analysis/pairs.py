@@ -99,7 +99,9 @@ def format_pairs(pairs: list[dict]) -> str:
                 f"| {a} | {b} | {name} | {_num(row['diff'], '+.3g')} | {_ci(row)} | {row['test']} "
                 f"| {_num(row['p'])} | {row['n_a']}, {row['n_b']} |"
             )
-            words.append(f"- **{a}** vs **{b}**, {name}: {_num(row['diff'], '+.3g')} {_ci(row)}: {row['verdict']}.")
+            words.append(
+                f"- **{a}** vs **{b}**, {name}: {_num(row['diff'], '+.3g')} {_ci(row)}: {row['verdict']}."
+            )
     notes = (
         f"Outcome CI and p: Welch's t (unequal variances). Collapse rate: fraction of seeds with any collapse "
         f"event; CI: Newcombe's hybrid score interval; p: two-sided permutation test. A verdict needs at "

@@ -153,7 +153,11 @@ def write_report(
     summary, collapse = summary_table(groups), collapse_table(groups)
     pairs = pairwise(groups, fields, permutations)
     figures = write_figures(groups, out_dir, smooth=smooth)
-    summary_md, collapse_md, pairs_md = format_summary(summary), format_collapse(collapse), format_pairs(pairs)
+    summary_md, collapse_md, pairs_md = (
+        format_summary(summary),
+        format_collapse(collapse),
+        format_pairs(pairs),
+    )
     by_field = {f: collapse_by_field(runs, f) for f in fields}
     (out_dir / "summary_table.md").write_text(summary_md + "\n")
     (out_dir / "collapse_table.md").write_text("\n\n".join([collapse_md, *by_field.values()]) + "\n")

@@ -54,7 +54,7 @@ class MeanCI:
         return self.mean + self.half
 
     def format(self, digits: int = 4) -> str:
-        """"0.5123 ± 0.0412" (or "0.5123 ± –" with one seed, "n/a" with none)."""
+        """The cell text: "0.5123 ± 0.0412", "0.5123 ± –" with one seed, "n/a" with none."""
         if self.n == 0:
             return "n/a"
         half = "–" if not math.isfinite(self.half) else f"{self.half:.2g}"
@@ -95,7 +95,8 @@ def welch(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> Diffe
         diff = float(va.mean() - vb.mean()) if na and nb else math.nan
         return Difference(diff, math.nan, math.nan, math.nan, na, nb, "Welch t")
     diff = float(va.mean() - vb.mean())
-    if np.ptp(va) == 0 and np.ptp(vb) == 0:  # by value: the float variance of equal values can be 1e-33, not 0
+    # Tested by value: the float variance of equal values such as 0.2 can be 1e-33 rather than 0.
+    if np.ptp(va) == 0 and np.ptp(vb) == 0:
         return Difference(diff, math.nan, math.nan, math.nan, na, nb, "Welch t")
     qa, qb = va.var(ddof=1) / na, vb.var(ddof=1) / nb
     se = math.sqrt(qa + qb)

@@ -133,7 +133,10 @@ def _run(preset: str, seed: int, rewards: list[float], eval_acc: dict[int, float
 
 def test_summary_table_gives_t_ci_and_last_eval_accuracy():
     """Per group the summary cells are mean ± t CI over seeds (hand values); final eval acc is the last eval row's value; the column is left out without eval."""
-    runs = [_run("grpo", s, [0.0, r], {0: 0.0, 1: acc}) for s, r, acc in [(0, 0.1, 0.2), (1, 0.2, 0.4), (2, 0.3, 0.9)]]
+    runs = [
+        _run("grpo", s, [0.0, r], {0: 0.0, 1: acc})
+        for s, r, acc in [(0, 0.1, 0.2), (1, 0.2, 0.4), (2, 0.3, 0.9)]
+    ]
     table = summary_table(group_runs(runs))["grpo (replay=off)"]
     assert table["final eval acc"] == pytest.approx(0.5, rel=1e-12)  # mean of 0.2, 0.4, 0.9
     sd = math.sqrt(((0.3) ** 2 + 0.1**2 + 0.4**2) / 2)
@@ -173,9 +176,13 @@ def test_pairs_only_within_a_setting_and_warn_below_five_seeds():
     runs = [_run("grpo", 0, [0.1]), _run("gspo", 0, [0.2]), _run("grpo", 1, [0.1])]
     runs[2].config["trainer"]["lr"] = 3e-4
     groups = group_runs(runs)
-    assert comparable_pairs(groups, ["trainer.lr"]) == [("grpo (replay=off) lr=0.0001", "gspo (replay=off) lr=0.0001")]
+    assert comparable_pairs(groups, ["trainer.lr"]) == [
+        ("grpo (replay=off) lr=0.0001", "gspo (replay=off) lr=0.0001")
+    ]
     text = format_pairs([{"a": "x", "b": "y", **compare_pair([runs[0]], [runs[1]])}])
-    assert text.startswith("**Warning:** 1 of 1 pairs have fewer than 5 seeds") and "no verdict possible" in text
+    assert (
+        text.startswith("**Warning:** 1 of 1 pairs have fewer than 5 seeds") and "no verdict possible" in text
+    )
 
 
 def test_curve_band_is_t_ci_of_per_seed_ema():
@@ -185,7 +192,9 @@ def test_curve_band_is_t_ci_of_per_seed_ema():
     steps, mean, lo, hi = aggregate(runs, reward)
     assert steps.tolist() == [0, 1, 2]
     np.testing.assert_allclose(mean, [0.2, 0.2, 0.3], rtol=1e-12)
-    np.testing.assert_allclose(hi - mean, T_2 * np.array([0.2, 0.2, math.sqrt(0.03)]) / math.sqrt(3), rtol=1e-12)
+    np.testing.assert_allclose(
+        hi - mean, T_2 * np.array([0.2, 0.2, math.sqrt(0.03)]) / math.sqrt(3), rtol=1e-12
+    )
     np.testing.assert_allclose(mean - lo, hi - mean, rtol=1e-12)
     _, smooth_mean, smooth_lo, _ = aggregate(runs, reward, smooth=0.5)
     np.testing.assert_allclose(smooth_mean, ema(mean, 0.5), rtol=1e-12)
@@ -235,7 +244,11 @@ def test_analyze_cli_with_eval_runs_smooths_and_reports_pairs(tmp_path):
     assert "(eval_accuracy.png)" in text and (out / "eval_accuracy.png").stat().st_size > 10_000
     assert "smoothed per seed by an EMA of weight 0.5" in text
     [pair] = json.loads((out / "table.json").read_text())["pairs"]
-    assert (pair["a"], pair["b"], pair["outcome"]) == ("grpo (replay=off)", "gspo (replay=off)", "final eval accuracy")
+    assert (pair["a"], pair["b"], pair["outcome"]) == (
+        "grpo (replay=off)",
+        "gspo (replay=off)",
+        "final eval accuracy",
+    )
     assert pair["outcome_diff"]["diff"] == pytest.approx(-0.3, rel=1e-12)
     assert "## Pairwise differences" in text and "no verdict possible: 2 seed(s)" in text
     assert (out / "pairs_table.md").read_text().startswith("**Warning:**")

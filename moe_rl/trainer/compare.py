@@ -23,7 +23,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ("final reward", "final eval acc", "clip frac", "token-ratio var", "expert change", "collapse events")
+COLUMNS = (
+    "final reward",
+    "final eval acc",
+    "clip frac",
+    "token-ratio var",
+    "expert change",
+    "collapse events",
+)
 
 
 def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
@@ -65,6 +72,7 @@ def run_row(rows: list[dict]) -> dict[str, float]:
 def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
     """Per label: the seeds found, each column averaged over them, and (under "ci95") each column's CI half-width."""
     from analysis.stats import mean_ci  # analysis imports this module at load time: import here, not above
+
     by_label: dict[str, list[dict[str, float]]] = defaultdict(list)
     seeds: dict[str, list[int]] = defaultdict(list)
     for summary_path in sorted(sweep_dir.rglob("summary.json")):
@@ -88,7 +96,7 @@ def shown_columns(table: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def format_cell(mean: float, half: float) -> str:
-    """"mean ± half" to 4 and 2 significant digits; "mean ± –" without an interval (one seed); "n/a" without a value."""
+    """The cell text: "mean ± half" to 4 and 2 significant digits, "mean ± –" with one seed, "n/a" without a value."""
     if not math.isfinite(mean):
         return "n/a"
     return f"{mean:.4g} ± " + (f"{half:.2g}" if math.isfinite(half) else "–")
