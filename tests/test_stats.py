@@ -11,7 +11,7 @@ from analysis.cli import parse_args
 from analysis.figures import aggregate
 from analysis.load import Run, group_runs
 from analysis.pairs import comparable_pairs, compare_pair, format_pairs
-from analysis.report import format_summary, summary_table
+from analysis.report import collapse_table, format_collapse, format_summary, summary_table
 from analysis.stats import ema, mean_ci, permutation_p, rate_difference, verdict, welch
 from moe_rl.trainer.compare import comparison, format_table
 
@@ -149,6 +149,16 @@ def test_summary_table_gives_t_ci_and_last_eval_accuracy():
     assert "Student t" in markdown
     without = format_summary(summary_table(group_runs([_run("grpo", 0, [0.1, 0.2])])))
     assert "final eval acc" not in without and "final reward" in without
+
+
+def test_collapse_table_fraction_has_wilson_interval():
+    """The collapse fraction's 95% CI is Wilson's score interval: [0, 0.2775] for 0 of 10 seeds (Newcombe 1998), [0.0945, 0.9055] for 1 of 2."""
+    clean = [_run("grpo", s, [0.1]) for s in range(10)]
+    half = [_run("gspo", 0, [0.1], collapse=1.0), _run("gspo", 1, [0.1])]
+    table = collapse_table(group_runs(clean + half))
+    assert [round(x, 4) for x in table["grpo (replay=off)"]["frac_ci95"]] == [0.0, 0.2775]
+    assert [round(x, 4) for x in table["gspo (replay=off)"]["frac_ci95"]] == [0.0945, 0.9055]
+    assert "| gspo (replay=off) | 2 | 1 | 0.50 | [0.09, 0.91] |" in format_collapse(table)
 
 
 def test_pairs_compare_eval_accuracy_with_welch_and_collapse_with_permutation():
