@@ -48,7 +48,10 @@ def comparable_pairs(groups: Groups, fields: list[str]) -> list[tuple[str, str]]
 
 
 def _row(d: Difference) -> dict[str, Any]:
-    return {"diff": d.diff, "lo": d.lo, "hi": d.hi, "p": d.p, "test": d.test, "n_a": d.n_a, "n_b": d.n_b,
+    # Equal means can differ by float rounding (3e-18): show such a difference as the 0 it is.
+    scale = max([1.0] + [abs(x) for x in (d.lo, d.hi) if math.isfinite(x)])
+    diff = 0.0 if abs(d.diff) < 1e-12 * scale else d.diff
+    return {"diff": diff, "lo": d.lo, "hi": d.hi, "p": d.p, "test": d.test, "n_a": d.n_a, "n_b": d.n_b,
             "verdict": verdict(d)}  # fmt: skip
 
 

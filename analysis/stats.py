@@ -93,17 +93,17 @@ def welch(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> Diffe
     na, nb = int(va.size), int(vb.size)
     if na < 2 or nb < 2:
         diff = float(va.mean() - vb.mean()) if na and nb else math.nan
-        return Difference(diff, math.nan, math.nan, math.nan, na, nb, "Welch t")
+        return Difference(diff, math.nan, math.nan, math.nan, na, nb, "Welch t-test")
     diff = float(va.mean() - vb.mean())
     # Tested by value: the float variance of equal values such as 0.2 can be 1e-33 rather than 0.
     if np.ptp(va) == 0 and np.ptp(vb) == 0:
-        return Difference(diff, math.nan, math.nan, math.nan, na, nb, "Welch t")
+        return Difference(diff, math.nan, math.nan, math.nan, na, nb, "Welch t-test")
     qa, qb = va.var(ddof=1) / na, vb.var(ddof=1) / nb
     se = math.sqrt(qa + qb)
     dof = (qa + qb) ** 2 / (qa**2 / (na - 1) + qb**2 / (nb - 1))
     half = float(sps.t.ppf((1 + level) / 2, dof) * se)
     p = float(2 * sps.t.sf(abs(diff) / se, dof))
-    return Difference(diff, diff - half, diff + half, p, na, nb, "Welch t")
+    return Difference(diff, diff - half, diff + half, p, na, nb, "Welch t-test")
 
 
 def wilson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
@@ -123,7 +123,7 @@ def permutation_p(
     Exact (every one of C(n_a + n_b, n_a) splits, p = share with |diff| >= observed) when there are at
     most `permutations` splits; otherwise `permutations` random splits from numpy's generator seeded
     with `seed`, p = (1 + count) / (1 + permutations) (Phipson & Smyth 2010, never 0).
-    Returns (p, "exact" or "N random"). Suffix S: one entry per split.
+    Returns (p, "exact" or "N random splits"). Suffix S: one entry per split.
     """
     va, vb = finite(a), finite(b)
     pooled, na = np.concatenate([va, vb]), va.size
@@ -137,7 +137,7 @@ def permutation_p(
     else:
         rng = np.random.default_rng(seed)
         sum_a_S = rng.permuted(np.tile(pooled, (permutations, 1)), axis=1)[:, :na].sum(axis=1)
-        kind = f"{permutations} random"
+        kind = f"{permutations} random splits"
     diff_S = sum_a_S / na - (pooled.sum() - sum_a_S) / vb.size
     count = int((np.abs(diff_S) >= observed - tol).sum())
     if kind == "exact":
@@ -157,14 +157,14 @@ def rate_difference(
     va, vb = finite(np.asarray(a, dtype=float)), finite(np.asarray(b, dtype=float))
     na, nb = int(va.size), int(vb.size)
     if na == 0 or nb == 0:
-        return Difference(math.nan, math.nan, math.nan, math.nan, na, nb, "permutation")
+        return Difference(math.nan, math.nan, math.nan, math.nan, na, nb, "permutation test")
     pa, pb = float(va.mean()), float(vb.mean())
     (la, ua), (lb, ub) = wilson(int(va.sum()), na, level), wilson(int(vb.sum()), nb, level)
     d = pa - pb
     lo = d - math.sqrt((pa - la) ** 2 + (ub - pb) ** 2)
     hi = d + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)
     p, kind = permutation_p(va, vb, permutations, seed)
-    return Difference(d, lo, hi, p, na, nb, f"permutation ({kind})")
+    return Difference(d, lo, hi, p, na, nb, f"permutation test, {kind}")
 
 
 def verdict(d: Difference, alpha: float = 0.05, min_seeds: int = MIN_SEEDS) -> str:

@@ -80,7 +80,7 @@ def test_permutation_p_random_is_seeded_and_near_exact():
     x, y = [1] * 7 + [0] * 3, [0] * 8 + [1] * 2  # C(20, 10) = 184756 splits
     exact, _ = permutation_p(x, y, permutations=200_000)
     p, kind = permutation_p(x, y, permutations=4000, seed=3)
-    assert kind == "4000 random" and permutation_p(x, y, permutations=4000, seed=3)[0] == p
+    assert kind == "4000 random splits" and permutation_p(x, y, permutations=4000, seed=3)[0] == p
     assert abs(p - exact) < 4 * math.sqrt(exact * (1 - exact) / 4000)
     # 2 of 184756 splits are as extreme: seed 1 draws none of them in 100, and p is 1 / 101, not 0
     assert permutation_p([5.0] * 10, [0.0] * 10, permutations=100, seed=1)[0] == pytest.approx(1 / 101)
@@ -101,7 +101,7 @@ def test_verdict_words():
         "no verdict possible: 4 seed(s)"
     )
     far = welch([0.1, 0.2, 0.3, 0.2, 0.1], [0.9, 1.0, 1.1, 1.0, 0.9])
-    assert verdict(far).startswith("distinguishable from noise at 5% (Welch t, p = ")
+    assert verdict(far).startswith("distinguishable from noise at 5% (Welch t-test, p = ")
     near = welch([0.1, 0.3, 0.2, 0.25, 0.15], [0.12, 0.28, 0.22, 0.2, 0.18])
     assert near.p > 0.05 and verdict(near).startswith("not distinguishable from noise at 5%")
 
@@ -175,7 +175,7 @@ def test_pairs_compare_eval_accuracy_with_welch_and_collapse_with_permutation():
     rate = pair["collapse_diff"]
     assert pair["collapse_rate"] == {"a": 0.8, "b": 0.0} and rate["diff"] == pytest.approx(0.8)
     assert rate["p"] == pytest.approx(12 / 252, rel=1e-12)  # of C(10,5) splits, 6 put all 4 ones in a, 6 none
-    assert rate["test"] == "permutation (exact)" and rate["verdict"].startswith("distinguishable")
+    assert rate["test"] == "permutation test, exact" and rate["verdict"].startswith("distinguishable")
     b[0].rows[1].pop("eval/accuracy")
     fallback = compare_pair(a, b)
     assert fallback["outcome"] == "final reward" and fallback["outcome_diff"]["diff"] == pytest.approx(0.25)
