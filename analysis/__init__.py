@@ -3,7 +3,8 @@
 Run it as `moe-rl-analyze SWEEP_DIR [SWEEP_DIR ...] --out OUT_DIR` (local Hydra sweep folders) or
 `moe-rl-analyze --wandb ENTITY/PROJECT --group GROUP --out OUT_DIR` (W&B public API). Both sources
 produce the same in-memory list of `Run` records (analysis.load), from which analysis.report builds
-the tables and analysis.figures the PNGs.
+the tables and analysis.figures the PNGs. Every aggregate over seeds carries a 95% confidence
+interval (analysis.stats), and analysis.pairs tests differences between objectives.
 """
 
 from analysis.load import Run, group_runs, load_local, load_wandb, varying_fields

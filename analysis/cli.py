@@ -3,8 +3,12 @@
     moe-rl-analyze multirun/default/2026-01-01_12-00-00 [more sweep folders ...] --out report/
     moe-rl-analyze --wandb ENTITY/PROJECT --group GROUP --out report/ --title "GSPO vs GRPO"
 
+    moe-rl-analyze multirun/stability --out report/ --smooth 0.6 --permutations 20000
+
 Writes OUT/report.md (open it in any markdown viewer), OUT/*.png, OUT/summary_table.md,
-OUT/collapse_table.md and OUT/table.json. Without a tty (or with --no-progress) no progress bar.
+OUT/collapse_table.md, OUT/pairs_table.md and OUT/table.json. Tables give mean ± 95% CI over seeds
+(Student t); pairs of objectives get Welch t and permutation tests (analysis.pairs). Without a tty
+(or with --no-progress) no progress bar.
 """
 
 from __future__ import annotations
@@ -34,7 +38,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--title", default=None, help="report title (default: names the sources)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    parser.add_argument(
+        "--smooth",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="EMA weight in [0, 1) for the curves, s_t = W s_(t-1) + (1 - W) x_t per seed, raw mean drawn "
+        "faint behind (default 0: no smoothing)",
+    )
+    parser.add_argument(
+        "--permutations",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="collapse-rate permutation test: exact when the seed splits number at most N, else N random "
+        "splits seeded with 0 (default 10000)",
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.smooth < 1:
+        parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
+    if args.permutations < 1:
+        parser.error(f"--permutations must be at least 1, got {args.permutations}")
     if bool(args.sweep_dirs) == bool(args.wandb):
         parser.error("give either SWEEP_DIR ... or --wandb ENTITY/PROJECT, not both and not neither")
     if args.group and not args.wandb:
@@ -55,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     if not runs:
         raise SystemExit(f"no runs with metrics found in {', '.join(sources)}")
     title = args.title or f"moe-rl sweep: {', '.join(sources)}"
-    report = write_report(runs, args.out, title, sources)
+    report = write_report(runs, args.out, title, sources, smooth=args.smooth, permutations=args.permutations)
     print(f"{len(runs)} runs -> {report}")
 
 

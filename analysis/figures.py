@@ -1,9 +1,17 @@
 """PNG figures after the GSPO paper's (Agg backend; one color per group, the same in every figure).
 
-Curves are the mean over seeds; the shaded band (and the bars' error bars) span the min and max over
-seeds (BAND): with two or three seeds a standard deviation says little, the range shows every seed.
-Seeds are aligned on the RL step; a step missing from a seed (stopped on collapse) is averaged over
-the seeds that have it. Non-finite values are left out of every mean.
+Curves are the mean over seeds; the shaded band (and the bars' error bars) is the 95% confidence
+interval of that mean, Student t over the seeds at each step (BAND; analysis.stats.mean_ci). Where
+only one seed has a step there is no band. Seeds are aligned on the RL step; a step missing from a
+seed (stopped on collapse) is averaged over the seeds that have it. Non-finite values are left out.
+
+Smoothing (`moe-rl-analyze --smooth W`): each seed's curve is replaced by its EMA of weight W
+(analysis.stats.ema) before the mean and CI are taken, so the band is the CI of the smoothed
+quantity; the unsmoothed mean is drawn faint behind it. W = 0 (the default) draws the raw curves.
+The per-layer panel and the bars are not over steps and are never smoothed.
+
+Held-out eval (eval_accuracy.png, only when some run logged `eval/accuracy`): sampled and greedy
+accuracy at each eval step; steps without eval rows are skipped, not drawn as gaps.
 
 Compute proxy (reward_vs_compute.png): cumulative sampled response tokens, sum over steps of
 prompts_per_step * group_size * `rollout/response_len/mean`. Every response token is generated once,
@@ -26,8 +34,9 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from analysis.load import Run  # noqa: E402
+from analysis.stats import ema, mean_ci  # noqa: E402
 
-BAND = "min–max over seeds"
+BAND = "95% CI over seeds (Student t)"
 Groups = dict[str, list[Run]]
 _LAYER = re.compile(r"^routing/expert_change/layer_(\d+)$")
 
@@ -39,26 +48,37 @@ def finite_mean(values) -> float:
     return float(v.mean()) if v.size else math.nan
 
 
-def aggregate(runs: list[Run], values) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(steps, mean, min, max) over seeds of `values(run)` (an array aligned with run.rows)."""
-    per_run = [dict(zip((int(r["step"]) for r in run.rows), values(run), strict=True)) for run in runs]
+def _ci_stats(v: np.ndarray) -> tuple[float, float, float]:
+    """(mean, lo, hi) of the 95% t interval; lo = hi = mean with one finite value (no band)."""
+    ci = mean_ci(v)
+    if ci.n == 1:
+        return ci.mean, ci.mean, ci.mean
+    return ci.mean, ci.lo, ci.hi
+
+
+def aggregate(
+    runs: list[Run], values, smooth: float = 0.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean, CI low, CI high) over seeds of `values(run)` (an array aligned with run.rows),
+    each seed's array EMA-smoothed with weight `smooth` first (0: unsmoothed)."""
+    per_run = [
+        dict(zip((int(r["step"]) for r in run.rows), ema(values(run), smooth), strict=True)) for run in runs
+    ]
     steps = np.array(sorted(set().union(*per_run)), dtype=int)
     mean, lo, hi = (np.full(len(steps), np.nan) for _ in range(3))
     for i, step in enumerate(steps):
         v = np.array([d.get(step, np.nan) for d in per_run], dtype=float)
-        v = v[np.isfinite(v)]
-        if v.size:
-            mean[i], lo[i], hi[i] = v.mean(), v.min(), v.max()
+        if np.isfinite(v).any():
+            mean[i], lo[i], hi[i] = _ci_stats(v)
     return steps, mean, lo, hi
 
 
 def aggregate_columns(values_RC: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(columns, mean, min, max) over the rows (seeds) of a seeds x columns array, finite values only."""
+    """(columns, mean, CI low, CI high) over the rows (seeds) of a seeds x columns array, finite values only."""
     stats = np.full((3, values_RC.shape[1]), np.nan)
     for j, column in enumerate(values_RC.T):
-        v = column[np.isfinite(column)]
-        if v.size:
-            stats[:, j] = v.mean(), v.min(), v.max()
+        if np.isfinite(column).any():
+            stats[:, j] = _ci_stats(column)
     return np.arange(values_RC.shape[1]), *stats
 
 
@@ -79,7 +99,10 @@ def _colors(groups: Groups) -> dict[str, tuple]:
     return {label: cmap(i % cmap.N) for i, label in enumerate(groups)}
 
 
-def _band_plot(ax, x, mean, lo, hi, color, label) -> None:
+def _band_plot(ax, x, mean, lo, hi, color, label, raw=None) -> None:
+    """Mean line with its CI band (error bars for a single point); `raw`: the unsmoothed mean, drawn faint."""
+    if raw is not None:
+        ax.plot(x, raw, color=color, alpha=0.25, linewidth=1)
     ax.plot(x, mean, color=color, label=label, marker="." if len(x) < 30 else None)
     if len(x) > 1:
         ax.fill_between(x, lo, hi, color=color, alpha=0.2, linewidth=0)
@@ -121,19 +144,58 @@ def _finish(fig, axes, path: Path, title: str) -> Path:
     return path
 
 
-def plot_reward(groups: Groups, out_dir: Path) -> Path:
+def _smoothed_band(ax, x, runs: list[Run], values, smooth: float, color, label) -> None:
+    """The (smoothed) mean of `values` over seeds with its CI band against x; the raw mean faint when smoothed."""
+    _, mean, lo, hi = aggregate(runs, values, smooth)
+    raw = aggregate(runs, values)[1] if smooth else None
+    _band_plot(ax, x, mean, lo, hi, color, label, raw)
+
+
+def _smooth_note(smooth: float) -> str:
+    return f"; EMA {smooth:g}, raw mean faint" if smooth else ""
+
+
+def plot_reward(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Path:
     """Mean reward vs RL step."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, color in _colors(groups).items():
-        steps, mean, lo, hi = aggregate(groups[label], lambda r: r.series("rollout/reward/mean"))
-        _band_plot(ax, steps, mean, lo, hi, color, label)
+        steps = aggregate(groups[label], lambda r: r.series("rollout/reward/mean"))[0]
+        _smoothed_band(
+            ax, steps, groups[label], lambda r: r.series("rollout/reward/mean"), smooth, color, label
+        )
     ax.set(xlabel="RL step", ylabel="rollout/reward/mean")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    return _finish(fig, [ax], out_dir / "reward_vs_step.png", f"Training reward (band: {BAND})")
+    title = f"Training reward (band: {BAND}{_smooth_note(smooth)})"
+    return _finish(fig, [ax], out_dir / "reward_vs_step.png", title)
 
 
-def plot_reward_compute(groups: Groups, out_dir: Path) -> Path:
+def plot_eval_accuracy(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Path | None:
+    """Held-out eval accuracy (sampled; greedy) vs RL step at the eval steps; None when no run has eval."""
+    keys = ["eval/accuracy", "eval/accuracy_greedy"]
+    if not any(k in r.keys() for runs in groups.values() for r in runs for k in keys):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for label, color in _colors(groups).items():
+        for ax, key in zip(axes, keys, strict=True):
+            # Only eval rows: smoothing then runs over eval steps, not over the nan rows between them.
+            evals = [
+                Run(r.config, [row for row in r.rows if key in row], r.events, r.source)
+                for r in groups[label]
+            ]
+            evals = [r for r in evals if r.rows]
+            if evals:
+                steps = aggregate(evals, lambda r, k=key: r.series(k))[0]
+                _smoothed_band(ax, steps, evals, lambda r, k=key: r.series(k), smooth, color, label)
+    for ax, key in zip(axes, keys, strict=True):
+        ax.set(xlabel="RL step", ylabel=key, title=key)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    title = f"Held-out eval accuracy (band: {BAND}{_smooth_note(smooth)})"
+    return _finish(fig, axes, out_dir / "eval_accuracy.png", title)
+
+
+def plot_reward_compute(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Path:
     """Mean reward vs cumulative response tokens (the compute proxy) and vs cumulative wall time."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     xs = {
@@ -143,12 +205,14 @@ def plot_reward_compute(groups: Groups, out_dir: Path) -> Path:
     for ax, (xlabel, xfn) in zip(axes, xs.items(), strict=True):
         for label, color in _colors(groups).items():
             _, x, _, _ = aggregate(groups[label], xfn)  # mean over seeds of the cumulative x at each step
-            _, mean, lo, hi = aggregate(groups[label], lambda r: r.series("rollout/reward/mean"))
-            _band_plot(ax, x, mean, lo, hi, color, label)
+            _smoothed_band(
+                ax, x, groups[label], lambda r: r.series("rollout/reward/mean"), smooth, color, label
+            )
         ax.set(xlabel=xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("rollout/reward/mean")
-    return _finish(fig, axes, out_dir / "reward_vs_compute.png", f"Reward vs training compute (band: {BAND})")
+    title = f"Reward vs training compute (band: {BAND}{_smooth_note(smooth)})"
+    return _finish(fig, axes, out_dir / "reward_vs_compute.png", title)
 
 
 def _per_run_means(groups: Groups, key: str) -> dict[str, np.ndarray]:
@@ -156,14 +220,14 @@ def _per_run_means(groups: Groups, key: str) -> dict[str, np.ndarray]:
 
 
 def plot_clip_fraction(groups: Groups, out_dir: Path) -> Path:
-    """Bars: mean over seeds of each run's mean clip/token_frac, error bars min–max, log y."""
+    """Bars: mean over seeds of each run's mean clip/token_frac, error bars its 95% CI (cut at 0), log y."""
     per_run = _per_run_means(groups, "clip/token_frac")
     colors = _colors(groups)
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(groups) + 2), 4.5))
     x = np.arange(len(groups))
-    means = np.array([finite_mean(v) for v in per_run.values()])
-    lo = np.array([np.nanmin(v) if np.isfinite(v).any() else np.nan for v in per_run.values()])
-    hi = np.array([np.nanmax(v) if np.isfinite(v).any() else np.nan for v in per_run.values()])
+    stats = [_ci_stats(v) if np.isfinite(v).any() else (np.nan,) * 3 for v in per_run.values()]
+    means, lo, hi = np.array(stats, dtype=float).reshape(-1, 3).T
+    lo = np.maximum(lo, 0)  # a fraction: the t interval's negative part is an artefact of few seeds
     ax.bar(x, np.nan_to_num(means), color=[colors[g] for g in groups])
     ax.errorbar(x, means, yerr=[means - lo, hi - means], fmt="none", ecolor="black", capsize=4)
     for xi, m in zip(x, means, strict=True):
@@ -187,7 +251,7 @@ def _layers(runs: list[Run]) -> list[int]:
     return sorted({int(m.group(1)) for r in runs for k in r.keys() if (m := _LAYER.match(k))})
 
 
-def plot_expert_change(groups: Groups, out_dir: Path) -> Path:
+def plot_expert_change(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Path:
     """Expert-change fraction by step (after one update; mini-batches 2..M) and by layer."""
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     panels = [
@@ -197,8 +261,8 @@ def plot_expert_change(groups: Groups, out_dir: Path) -> Path:
     for label, color in _colors(groups).items():
         runs = groups[label]
         for ax, (key, _) in zip(axes, panels, strict=False):
-            steps, mean, lo, hi = aggregate(runs, lambda r, k=key: r.series(k))
-            _band_plot(ax, steps, mean, lo, hi, color, label)
+            steps = aggregate(runs, lambda r, k=key: r.series(k))[0]
+            _smoothed_band(ax, steps, runs, lambda r, k=key: r.series(k), smooth, color, label)
         layers = _layers(runs)
         if layers:
             per_seed = np.array(
@@ -224,7 +288,10 @@ def plot_expert_change(groups: Groups, out_dir: Path) -> Path:
         ax.title.set_fontsize("medium")
         ax.grid(alpha=0.3)
     return _finish(
-        fig, axes, out_dir / "expert_change.png", f"Expert change vs the old policy (band: {BAND})"
+        fig,
+        axes,
+        out_dir / "expert_change.png",
+        f"Expert change vs the old policy (band: {BAND}{_smooth_note(smooth)})",
     )
 
 
@@ -266,6 +333,10 @@ def plot_ratio_variance(groups: Groups, out_dir: Path) -> Path:
 
 FIGURES = {
     "reward_vs_step": (plot_reward, "Mean training reward per RL step."),
+    "eval_accuracy": (
+        plot_eval_accuracy,
+        "Held-out eval accuracy at the RL temperature (left) and greedy (right), at each eval step.",
+    ),
     "reward_vs_compute": (
         plot_reward_compute,
         "Reward against the compute proxy (cumulative sampled response tokens) and against wall time.",
@@ -283,9 +354,17 @@ FIGURES = {
         "Token-level importance-ratio variance against the step's mean response length: one dot per step and seed, lines join means of equal-count length bins.",
     ),
 }
+# Curves over RL steps, which --smooth applies to; the others are per-run means or scatter plots.
+SMOOTHED = {"reward_vs_step", "eval_accuracy", "reward_vs_compute", "expert_change"}
 
 
-def write_figures(groups: Groups, out_dir: Path) -> dict[str, tuple[Path, str]]:
-    """Every figure in FIGURES, saved under out_dir: {name: (path, caption)}."""
+def write_figures(groups: Groups, out_dir: Path, smooth: float = 0.0) -> dict[str, tuple[Path, str]]:
+    """Every figure in FIGURES that has data (eval_accuracy needs eval rows), saved under out_dir:
+    {name: (path, caption)}; `smooth` is the EMA weight of the curves in SMOOTHED."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return {name: (plot(groups, out_dir), caption) for name, (plot, caption) in FIGURES.items()}
+    written = {}
+    for name, (plot, caption) in FIGURES.items():
+        path = plot(groups, out_dir, smooth=smooth) if name in SMOOTHED else plot(groups, out_dir)
+        if path is not None:
+            written[name] = (path, caption)
+    return written

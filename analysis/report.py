@@ -1,21 +1,28 @@
 """Markdown tables and the report page (report.md) that links every figure.
 
-Summary table, one row per group (base label + varying config fields), each column the mean over
-seeds of the per-run value that `moe-rl-compare` computes (moe_rl.trainer.compare.run_row):
+Summary table, one row per group (base label + varying config fields), each cell the mean over
+seeds ± the half-width of its 95% Student t confidence interval (analysis.stats.mean_ci) of the
+per-run value that `moe-rl-compare` computes (moe_rl.trainer.compare.run_row):
 
 | column | per run, from metrics.jsonl |
 |---|---|
 | final reward | mean of `rollout/reward/mean` over the last 5 steps |
+| final eval acc | `eval/accuracy` of the last row that has it (left out when no run has held-out eval) |
 | clip frac | mean over steps of `clip/token_frac` |
 | token-ratio var | mean over steps of `ratio/token/var` |
 | expert change | mean over steps of `routing/expert_change/frac` |
 | collapse events | `collapse/events` at the run's last step |
 
-Non-finite values are left out of every mean. table.json holds the same numbers at full precision.
+Non-finite values are left out of every mean (and of n). table.json holds the same numbers at full
+precision: per group the mean of each column, its CI half-width under "ci95" and its n under "n".
 
 Collapse table: per group, the number of seeds with at least one collapse event (from the metrics'
-`collapse/events`), the total events and their kinds (from events.jsonl; unknown for W&B runs). When
-config fields vary, a second table per field gives collapsed seeds / seeds for each value and base label.
+`collapse/events`), their fraction with its 95% Wilson score interval, the total events and their
+kinds (from events.jsonl; unknown for W&B runs). When config fields vary, a second table per field
+gives collapsed seeds / seeds for each value and base label.
+
+Pairwise differences (analysis.pairs): outcome and collapse-rate differences between groups that
+differ only in objective / replay, with CIs, p-values and a verdict in words.
 """
 
 from __future__ import annotations
@@ -25,19 +32,24 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis.figures import BAND, finite_mean, write_figures
+from analysis.figures import BAND, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
-from moe_rl.trainer.compare import COLUMNS, run_row
+from analysis.pairs import format_pairs, pairwise
+from analysis.stats import CI_NOTE, mean_ci, wilson
+from moe_rl.trainer.compare import COLUMNS, format_cell, run_row, shown_columns
 
 
 def summary_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
-    """Per group: seeds, and each COLUMNS value averaged over seeds."""
+    """Per group: seeds, each COLUMNS value averaged over seeds, its 95% CI half-width ("ci95") and n ("n")."""
     table = {}
     for label, runs in groups.items():
         rows = [run_row(r.rows) for r in runs]
+        cis = {c: mean_ci([row[c] for row in rows]) for c in COLUMNS}
         table[label] = {
             "seeds": [r.seed for r in runs],
-            **{c: finite_mean([row[c] for row in rows]) for c in COLUMNS},
+            **{c: ci.mean for c, ci in cis.items()},
+            "ci95": {c: ci.half for c, ci in cis.items()},
+            "n": {c: ci.n for c, ci in cis.items()},
         }
     return table
 
@@ -47,7 +59,7 @@ def _events(run: Run) -> float:
 
 
 def collapse_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
-    """Per group: seeds, seeds with a collapse event, their fraction, total events, event kinds."""
+    """Per group: seeds, seeds with a collapse event, their fraction and its 95% Wilson interval, total events, event kinds."""
     table = {}
     for label, runs in groups.items():
         collapsed = [r for r in runs if _events(r) > 0]
@@ -61,6 +73,7 @@ def collapse_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
             "seeds": len(runs),
             "collapsed": len(collapsed),
             "frac": len(collapsed) / len(runs),
+            "frac_ci95": wilson(len(collapsed), len(runs)),
             "events": sum(_events(r) for r in runs),
             "kinds": None if kinds is None else dict(kinds),
         }
@@ -86,17 +99,26 @@ def collapse_by_field(runs: list[Run], field: str) -> str:
 
 
 def format_summary(table: dict[str, dict[str, Any]]) -> str:
-    """Markdown, one row per group, numbers to 4 significant digits."""
-    lines = ["| run | seeds | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    """Markdown, one row per group: mean ± 95% CI half-width (n noted where a seed lacks the value)."""
+    columns = shown_columns(table)
+    lines = ["| run | seeds | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for label, row in table.items():
         seeds = f"{len(row['seeds'])} ({', '.join(map(str, row['seeds']))})"
-        lines.append(f"| {label} | {seeds} | " + " | ".join(f"{row[c]:.4g}" for c in COLUMNS) + " |")
-    return "\n".join(lines)
+        cells = [
+            format_cell(row[c], row["ci95"][c])
+            + (f" (n={row['n'][c]})" if 0 < row["n"][c] < len(row["seeds"]) else "")
+            for c in columns
+        ]
+        lines.append(f"| {label} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\nCells: {CI_NOTE}."
 
 
 def format_collapse(table: dict[str, dict[str, Any]]) -> str:
     """Markdown, one row per group."""
-    lines = ["| run | seeds | seeds with collapse | fraction | events | kinds |", "|---" * 6 + "|"]
+    lines = [
+        "| run | seeds | seeds with collapse | fraction | 95% CI (Wilson) | events | kinds |",
+        "|---" * 7 + "|",
+    ]
     for label, row in table.items():
         kinds = (
             "unknown"
@@ -104,25 +126,45 @@ def format_collapse(table: dict[str, dict[str, Any]]) -> str:
             else ", ".join(f"{k}: {n}" for k, n in sorted(row["kinds"].items())) or "–"
         )
         lines.append(
-            f"| {label} | {row['seeds']} | {row['collapsed']} | {row['frac']:.2f} | {row['events']:g} | {kinds} |"
+            f"| {label} | {row['seeds']} | {row['collapsed']} | {row['frac']:.2f} "
+            f"| [{row['frac_ci95'][0]:.2f}, {row['frac_ci95'][1]:.2f}] | {row['events']:g} | {kinds} |"
         )
     return "\n".join(lines)
 
 
-def write_report(runs: list[Run], out_dir: Path, title: str, sources: list[str]) -> Path:
-    """Figures, tables (markdown and table.json) and report.md under out_dir; returns report.md's path."""
+def write_report(
+    runs: list[Run],
+    out_dir: Path,
+    title: str,
+    sources: list[str],
+    smooth: float = 0.0,
+    permutations: int = 10_000,
+) -> Path:
+    """Figures, tables (markdown and table.json) and report.md under out_dir; returns report.md's path.
+
+    smooth: EMA weight for the curves (0 = none; analysis.stats.ema); permutations: the collapse-rate
+    permutation test's budget (exact below it, seeded random splits above).
+    """
     if not runs:
         raise ValueError("no runs to analyse")
     out_dir.mkdir(parents=True, exist_ok=True)
     fields = varying_fields(runs)
     groups = group_runs(runs, fields)
     summary, collapse = summary_table(groups), collapse_table(groups)
-    figures = write_figures(groups, out_dir)
-    summary_md, collapse_md = format_summary(summary), format_collapse(collapse)
+    pairs = pairwise(groups, fields, permutations)
+    figures = write_figures(groups, out_dir, smooth=smooth)
+    summary_md, collapse_md, pairs_md = (
+        format_summary(summary),
+        format_collapse(collapse),
+        format_pairs(pairs),
+    )
     by_field = {f: collapse_by_field(runs, f) for f in fields}
     (out_dir / "summary_table.md").write_text(summary_md + "\n")
     (out_dir / "collapse_table.md").write_text("\n\n".join([collapse_md, *by_field.values()]) + "\n")
-    (out_dir / "table.json").write_text(json.dumps({"summary": summary, "collapse": collapse}, indent=2))
+    (out_dir / "pairs_table.md").write_text(pairs_md + "\n")
+    (out_dir / "table.json").write_text(
+        json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs}, indent=2)
+    )
 
     names = short_names(fields)
     varying = ", ".join(f"`{f}`" + (f" (shown as {names[f]})" if names[f] != f else "") for f in fields)
@@ -135,15 +177,23 @@ def write_report(runs: list[Run], out_dir: Path, title: str, sources: list[str])
             if fields
             else "; no other config field varies."
         ),
-        f"Curves are means over seeds; bands and error bars span the {BAND}.",
-        "## Summary (mean over seeds)",
-        "Per run: final reward = mean `rollout/reward/mean` over the last 5 steps; the other columns are means "
-        "over steps of `clip/token_frac`, `ratio/token/var`, `routing/expert_change/frac`; collapse events = "
-        "`collapse/events` at the last step. Full precision in [table.json](table.json).",
+        f"Curves are means over seeds; bands and error bars are the {BAND}."
+        + (
+            f" Curves are smoothed per seed by an EMA of weight {smooth:g} (raw mean drawn faint behind)."
+            if smooth
+            else ""
+        ),
+        "## Summary (mean ± 95% CI over seeds)",
+        "Per run: final reward = mean `rollout/reward/mean` over the last 5 steps; final eval acc = the last "
+        "logged `eval/accuracy` (held-out eval; the column is left out when no run has it); the other columns "
+        "are means over steps of `clip/token_frac`, `ratio/token/var`, `routing/expert_change/frac`; collapse "
+        "events = `collapse/events` at the last step. Full precision in [table.json](table.json).",
         summary_md,
         "## Collapse",
         collapse_md,
         *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in by_field.items()),
+        "## Pairwise differences",
+        pairs_md,
         "## Figures",
     ]
     for name, (path, caption) in figures.items():

@@ -1,11 +1,13 @@
 """The comparison table printed at the end of a sweep (and by `moe-rl-compare SWEEP_DIR`).
 
 One row per objective preset and replay source (taken from each run's summary.json, never from
-folder names), averaged over seeds:
+folder names). Each cell is the mean over seeds ± the half-width of its 95% confidence interval
+(Student t with n - 1 degrees of freedom, n the seeds with a finite value; analysis.stats.mean_ci):
 
 | column | from metrics.jsonl |
 |---|---|
 | final reward | mean of `rollout/reward/mean` over the last 5 steps |
+| final eval acc | `eval/accuracy` of the last row that has it (held-out eval); the column is left out when no run has it |
 | clip frac | mean over steps of `clip/token_frac` |
 | token-ratio var | mean over steps of `ratio/token/var` |
 | expert change | mean over steps of `routing/expert_change/frac` |
@@ -21,7 +23,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ("final reward", "clip frac", "token-ratio var", "expert change", "collapse events")
+COLUMNS = (
+    "final reward",
+    "final eval acc",
+    "clip frac",
+    "token-ratio var",
+    "expert change",
+    "collapse events",
+)
 
 
 def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
@@ -39,10 +48,20 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
+def last_value(rows: list[dict], key: str) -> float:
+    """`key` in the last row that has a finite value for it (eval metrics are only on eval steps); nan if none."""
+    for row in reversed(rows):
+        value = row.get(key)
+        if isinstance(value, float | int) and math.isfinite(value):
+            return float(value)
+    return math.nan
+
+
 def run_row(rows: list[dict]) -> dict[str, float]:
     """The table's columns for one run."""
     return {
         "final reward": _mean([r["rollout/reward/mean"] for r in rows[-5:]]),
+        "final eval acc": last_value(rows, "eval/accuracy"),
         "clip frac": _mean([r.get("clip/token_frac", math.nan) for r in rows]),
         "token-ratio var": _mean([r.get("ratio/token/var", math.nan) for r in rows]),
         "expert change": _mean([r.get("routing/expert_change/frac", math.nan) for r in rows]),
@@ -51,7 +70,9 @@ def run_row(rows: list[dict]) -> dict[str, float]:
 
 
 def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
-    """Per label: the seeds found and each column averaged over them."""
+    """Per label: the seeds found, each column averaged over them, and (under "ci95") each column's CI half-width."""
+    from analysis.stats import mean_ci  # analysis imports this module at load time: import here, not above
+
     by_label: dict[str, list[dict[str, float]]] = defaultdict(list)
     seeds: dict[str, list[int]] = defaultdict(list)
     for summary_path in sorted(sweep_dir.rglob("summary.json")):
@@ -60,17 +81,35 @@ def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
             by_label[summary["label"]].append(run_row(rows))
             seeds[summary["label"]].append(summary["seed"])
     return {
-        label: {"seeds": sorted(seeds[label]), **{c: _mean([r[c] for r in runs]) for c in COLUMNS}}
+        label: {
+            "seeds": sorted(seeds[label]),
+            **{c: _mean([r[c] for r in runs]) for c in COLUMNS},
+            "ci95": {c: mean_ci([r[c] for r in runs]).half for c in COLUMNS},
+        }
         for label, runs in by_label.items()
     }
 
 
+def shown_columns(table: dict[str, dict[str, Any]]) -> list[str]:
+    """COLUMNS, less "final eval acc" when no label has a value for it (runs without held-out eval)."""
+    return [c for c in COLUMNS if c != "final eval acc" or any(math.isfinite(r[c]) for r in table.values())]
+
+
+def format_cell(mean: float, half: float) -> str:
+    """The cell text: "mean ± half" to 4 and 2 significant digits, "mean ± –" with one seed, "n/a" without a value."""
+    if not math.isfinite(mean):
+        return "n/a"
+    return f"{mean:.4g} ± " + (f"{half:.2g}" if math.isfinite(half) else "–")
+
+
 def format_table(table: dict[str, dict[str, Any]]) -> str:
-    """Markdown table, one row per label."""
-    lines = ["| run | seeds | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    """Markdown table, one row per label: mean ± 95% CI half-width over seeds (Student t), then the note."""
+    columns = shown_columns(table)
+    lines = ["| run | seeds | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for label, row in sorted(table.items()):
-        cells = [f"{row[c]:.4g}" for c in COLUMNS]
+        cells = [format_cell(row[c], row["ci95"][c]) for c in columns]
         lines.append(f"| {label} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
+    lines.append("\nCells: mean over seeds ± 95% CI half-width (Student t, n - 1 dof).")
     return "\n".join(lines)
 
 

@@ -1,0 +1,121 @@
+"""Pairwise comparisons of groups in one sweep: is a difference distinguishable from seed noise?
+
+Two groups are compared when their runs agree on every config field that varies in the sweep (lr,
+num_layers, ...) and differ only in objective preset / replay source, so a pair never confounds the
+objective with a swept setting. For each pair (a, b), in group order:
+
+| outcome | per seed | difference a - b | test |
+|---|---|---|---|
+| final eval accuracy (or final reward when some run has no held-out eval) | `eval/accuracy` of the last row that has it; else mean `rollout/reward/mean` over the last 5 steps | difference of means, 95% Welch CI | Welch's t, two-sided |
+| collapse rate | 1 if the run logged any collapse event (`collapse/events` > 0 at its last step), else 0 | difference of rates, 95% Newcombe hybrid score CI | permutation test of the rate difference, two-sided (exact when the splits number at most `permutations`, else that many seeded random splits) |
+
+Each difference gets a sentence from analysis.stats.verdict: distinguishable from noise at 5% or not,
+or "no verdict possible" when a group has fewer than 5 seeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+from analysis.load import Run
+from analysis.stats import MIN_SEEDS, Difference, rate_difference, verdict, welch
+from moe_rl.trainer.compare import last_value, run_row
+
+Groups = dict[str, list[Run]]
+
+
+def collapsed(run: Run) -> bool:
+    """Whether the run logged at least one collapse event (`collapse/events` at its last step > 0)."""
+    return float(run.rows[-1].get("collapse/events", 0.0)) > 0
+
+
+def final_eval(run: Run) -> float:
+    """`eval/accuracy` in the run's last row that has it; nan when the run has no held-out eval."""
+    return last_value(run.rows, "eval/accuracy")
+
+
+def final_reward(run: Run) -> float:
+    """The summary table's final reward: mean `rollout/reward/mean` over the last 5 steps."""
+    return run_row(run.rows)["final reward"]
+
+
+def comparable_pairs(groups: Groups, fields: list[str]) -> list[tuple[str, str]]:
+    """Pairs of group labels whose runs share the values of every varying field, in group order."""
+    setting = {label: tuple(str(runs[0].flat.get(f)) for f in fields) for label, runs in groups.items()}
+    return [(a, b) for a, b in itertools.combinations(groups, 2) if setting[a] == setting[b]]
+
+
+def _row(d: Difference) -> dict[str, Any]:
+    # Equal means can differ by float rounding (3e-18): show such a difference as the 0 it is.
+    scale = max([1.0] + [abs(x) for x in (d.lo, d.hi) if math.isfinite(x)])
+    diff = 0.0 if abs(d.diff) < 1e-12 * scale else d.diff
+    return {"diff": diff, "lo": d.lo, "hi": d.hi, "p": d.p, "test": d.test, "n_a": d.n_a, "n_b": d.n_b,
+            "verdict": verdict(d)}  # fmt: skip
+
+
+def compare_pair(a: list[Run], b: list[Run], permutations: int = 10_000, seed: int = 0) -> dict[str, Any]:
+    """Outcome and collapse-rate differences a - b, each with its CI, p-value and verdict."""
+    use_eval = all(math.isfinite(final_eval(r)) for r in a + b)
+    per_seed = final_eval if use_eval else final_reward
+    outcome = welch([per_seed(r) for r in a], [per_seed(r) for r in b])
+    rate = rate_difference([collapsed(r) for r in a], [collapsed(r) for r in b], permutations, seed)
+    return {
+        "outcome": "final eval accuracy" if use_eval else "final reward",
+        "outcome_diff": _row(outcome),
+        "collapse_rate": {"a": sum(map(collapsed, a)) / len(a), "b": sum(map(collapsed, b)) / len(b)},
+        "collapse_diff": _row(rate),
+    }
+
+
+def pairwise(groups: Groups, fields: list[str], permutations: int = 10_000, seed: int = 0) -> list[dict]:
+    """compare_pair for every comparable pair: [{"a": label, "b": label, ...}]."""
+    return [
+        {"a": a, "b": b, **compare_pair(groups[a], groups[b], permutations, seed)}
+        for a, b in comparable_pairs(groups, fields)
+    ]
+
+
+def _num(x: float, fmt: str = ".3g") -> str:
+    return f"{x:{fmt}}" if math.isfinite(x) else "n/a"
+
+
+def _ci(row: dict[str, Any]) -> str:
+    return f"[{_num(row['lo'])}, {_num(row['hi'])}]"
+
+
+def format_pairs(pairs: list[dict]) -> str:
+    """Markdown: one table row per pair and difference, then one sentence per difference."""
+    if not pairs:
+        return "No two groups share the values of every varying config field, so no pair is compared."
+    lines = [
+        "| a | b | difference (a - b) | estimate | 95% CI | test | p | seeds (a, b) |",
+        "|---" * 8 + "|",
+    ]
+    words = []
+    for pair in pairs:
+        a, b = pair["a"], pair["b"]
+        for name, key in ((pair["outcome"], "outcome_diff"), ("collapse rate", "collapse_diff")):
+            row = pair[key]
+            lines.append(
+                f"| {a} | {b} | {name} | {_num(row['diff'], '+.3g')} | {_ci(row)} | {row['test']} "
+                f"| {_num(row['p'])} | {row['n_a']}, {row['n_b']} |"
+            )
+            words.append(
+                f"- **{a}** vs **{b}**, {name}: {_num(row['diff'], '+.3g')} {_ci(row)}: {row['verdict']}."
+            )
+    notes = (
+        f"Outcome CI and p: Welch's t (unequal variances). Collapse rate: fraction of seeds with any collapse "
+        f"event; CI: Newcombe's hybrid score interval; p: two-sided permutation test. A verdict needs at "
+        f"least {MIN_SEEDS} seeds per group."
+    )
+    warn = [p for p in pairs if min(p["outcome_diff"]["n_a"], p["outcome_diff"]["n_b"]) < MIN_SEEDS]
+    parts = ["\n".join(lines), notes, "\n".join(words)]
+    if warn:
+        parts.insert(
+            0,
+            f"**Warning:** {len(warn)} of {len(pairs)} pairs have fewer than {MIN_SEEDS} seeds in a group: "
+            "no verdict is possible for them; the numbers below only describe these seeds.",
+        )
+    return "\n\n".join(parts)

@@ -1,0 +1,201 @@
+"""Statistics over seeds: confidence intervals, two-group tests and smoothing, as small pure functions.
+
+Every number a table or figure aggregates over seeds goes through these, so one place says how:
+
+| quantity | method |
+|---|---|
+| mean over seeds | `mean_ci`: Student t interval, mean ± t_{n-1, 0.975} · s / sqrt(n), s the sample sd (ddof 1) |
+| difference of two group means | `welch`: Welch's t (unequal variances), Welch–Satterthwaite dof, two-sided p |
+| difference of two rates | `rate_difference`: Newcombe's hybrid Wilson score interval (1998, method 10) and a two-sided permutation test of the difference |
+| smoothed curve | `ema`: s_0 = x_0, s_t = w · s_{t-1} + (1 - w) · x_t (w = 0: no smoothing) |
+
+Non-finite values are dropped before any statistic: a seed whose value is NaN does not count in n.
+With n < 2 a mean has no interval (half-width nan); a test with fewer than two values per group gives
+nan. `verdict` turns a p-value into the sentence the report prints, and refuses a verdict below
+MIN_SEEDS seeds per group: with 2-4 seeds a t-test has almost no power and its p-value rests
+entirely on the normality assumption.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats as sps
+
+LEVEL = 0.95
+MIN_SEEDS = 5
+CI_NOTE = "mean ± 95% CI half-width over seeds (Student t, n - 1 dof); n = seeds with a finite value"
+
+
+def finite(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """The finite entries of `values` as float64."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    return v[np.isfinite(v)]
+
+
+@dataclass(frozen=True)
+class MeanCI:
+    """A mean over seeds with its confidence interval: mean ± half (nan half when n < 2)."""
+
+    mean: float
+    half: float
+    n: int
+
+    @property
+    def lo(self) -> float:
+        return self.mean - self.half
+
+    @property
+    def hi(self) -> float:
+        return self.mean + self.half
+
+    def format(self, digits: int = 4) -> str:
+        """The cell text: "0.5123 ± 0.0412", "0.5123 ± –" with one seed, "n/a" with none."""
+        if self.n == 0:
+            return "n/a"
+        half = "–" if not math.isfinite(self.half) else f"{self.half:.2g}"
+        return f"{self.mean:.{digits}g} ± {half}"
+
+
+def mean_ci(values: Sequence[float] | np.ndarray, level: float = LEVEL) -> MeanCI:
+    """Mean of the finite values with the Student t interval  mean ± t_{n-1,(1+level)/2} · s / sqrt(n)."""
+    v = finite(values)
+    if v.size == 0:
+        return MeanCI(math.nan, math.nan, 0)
+    if v.size == 1:
+        return MeanCI(float(v[0]), math.nan, 1)
+    sem = v.std(ddof=1) / math.sqrt(v.size)
+    return MeanCI(float(v.mean()), float(sps.t.ppf((1 + level) / 2, v.size - 1) * sem), int(v.size))
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A difference a - b between two groups, its interval [lo, hi], the test's p-value and the test's name."""
+
+    diff: float
+    lo: float
+    hi: float
+    p: float
+    n_a: int
+    n_b: int
+    test: str
+
+
+def welch(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> Difference:
+    """Welch's t for mean(a) - mean(b): se = sqrt(s_a²/n_a + s_b²/n_b), t = diff / se,
+    dof = se⁴ / ((s_a²/n_a)²/(n_a-1) + (s_b²/n_b)²/(n_b-1)), CI diff ± t_{dof,(1+level)/2} · se,
+    p = 2 · P(T_dof > |t|). nan p and interval when a group has < 2 values or both have zero variance."""
+    va, vb = finite(a), finite(b)
+    na, nb = int(va.size), int(vb.size)
+    if na < 2 or nb < 2:
+        diff = float(va.mean() - vb.mean()) if na and nb else math.nan
+        return Difference(diff, math.nan, math.nan, math.nan, na, nb, "Welch t-test")
+    diff = float(va.mean() - vb.mean())
+    # Tested by value: the float variance of equal values such as 0.2 can be 1e-33 rather than 0.
+    if np.ptp(va) == 0 and np.ptp(vb) == 0:
+        return Difference(diff, math.nan, math.nan, math.nan, na, nb, "Welch t-test")
+    qa, qb = va.var(ddof=1) / na, vb.var(ddof=1) / nb
+    se = math.sqrt(qa + qb)
+    dof = (qa + qb) ** 2 / (qa**2 / (na - 1) + qb**2 / (nb - 1))
+    half = float(sps.t.ppf((1 + level) / 2, dof) * se)
+    p = float(2 * sps.t.sf(abs(diff) / se, dof))
+    return Difference(diff, diff - half, diff + half, p, na, nb, "Welch t-test")
+
+
+def wilson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """Wilson score interval for k successes in n trials."""
+    z = float(sps.norm.ppf((1 + level) / 2))
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def permutation_p(
+    a: Sequence[float], b: Sequence[float], permutations: int = 10_000, seed: int = 0
+) -> tuple[float, str]:
+    """Two-sided permutation p-value of |mean(a) - mean(b)| over relabellings of the pooled values.
+
+    Exact (every one of C(n_a + n_b, n_a) splits, p = share with |diff| >= observed) when there are at
+    most `permutations` splits; otherwise `permutations` random splits from numpy's generator seeded
+    with `seed`, p = (1 + count) / (1 + permutations) (Phipson & Smyth 2010, never 0).
+    Returns (p, "exact" or "N random splits"). Suffix S: one entry per split.
+    """
+    va, vb = finite(a), finite(b)
+    pooled, na = np.concatenate([va, vb]), va.size
+    observed = abs(va.mean() - vb.mean())
+    tol = 1e-12 * max(1.0, observed)  # ties in floating point count as extreme
+    total = math.comb(pooled.size, na)
+    if total <= permutations:
+        in_a_SK = np.array(list(itertools.combinations(range(pooled.size), na)), dtype=np.intp)
+        sum_a_S = pooled[in_a_SK].sum(axis=1)
+        kind = "exact"
+    else:
+        rng = np.random.default_rng(seed)
+        sum_a_S = rng.permuted(np.tile(pooled, (permutations, 1)), axis=1)[:, :na].sum(axis=1)
+        kind = f"{permutations} random splits"
+    diff_S = sum_a_S / na - (pooled.sum() - sum_a_S) / vb.size
+    count = int((np.abs(diff_S) >= observed - tol).sum())
+    if kind == "exact":
+        return float(count / total), kind
+    return float((1 + count) / (1 + permutations)), kind
+
+
+def rate_difference(
+    a: Sequence[bool], b: Sequence[bool], permutations: int = 10_000, seed: int = 0, level: float = LEVEL
+) -> Difference:
+    """rate(a) - rate(b) for two groups of 0/1 outcomes (a seed collapsed or not).
+
+    Interval: Newcombe's hybrid score interval from the groups' Wilson intervals [l_a, u_a], [l_b, u_b]:
+    [d - sqrt((p_a - l_a)² + (u_b - p_b)²), d + sqrt((u_a - p_a)² + (p_b - l_b)²)], d = p_a - p_b.
+    p-value: `permutation_p` on the 0/1 outcomes.
+    """
+    va, vb = finite(np.asarray(a, dtype=float)), finite(np.asarray(b, dtype=float))
+    na, nb = int(va.size), int(vb.size)
+    if na == 0 or nb == 0:
+        return Difference(math.nan, math.nan, math.nan, math.nan, na, nb, "permutation test")
+    pa, pb = float(va.mean()), float(vb.mean())
+    (la, ua), (lb, ub) = wilson(int(va.sum()), na, level), wilson(int(vb.sum()), nb, level)
+    d = pa - pb
+    lo = d - math.sqrt((pa - la) ** 2 + (ub - pb) ** 2)
+    hi = d + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)
+    p, kind = permutation_p(va, vb, permutations, seed)
+    return Difference(d, lo, hi, p, na, nb, f"permutation test, {kind}")
+
+
+def verdict(d: Difference, alpha: float = 0.05, min_seeds: int = MIN_SEEDS) -> str:
+    """The report's sentence on whether difference `d` is distinguishable from noise at level alpha."""
+    if min(d.n_a, d.n_b) < min_seeds:
+        return (
+            f"no verdict possible: {min(d.n_a, d.n_b)} seed(s) in the smaller group (< {min_seeds}); "
+            "run more seeds"
+        )
+    if not math.isfinite(d.p):
+        return "no verdict possible: no variation within the groups to test against"
+    pct = f"{100 * alpha:g}%"
+    if d.p < alpha:
+        return f"distinguishable from noise at {pct} ({d.test}, p = {d.p:.3g})"
+    return f"not distinguishable from noise at {pct} ({d.test}, p = {d.p:.3g})"
+
+
+def ema(values: Sequence[float] | np.ndarray, weight: float) -> np.ndarray:
+    """Exponential moving average s_t = w · s_{t-1} + (1 - w) · x_t, s_0 = the first finite x.
+
+    Non-finite x_t leave s_t = nan and do not update the state, so a missing step is skipped, not
+    treated as 0. weight = 0 returns the values unchanged (as float64).
+    """
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    x = np.asarray(values, dtype=np.float64)
+    out = np.full(x.shape, np.nan)
+    state = math.nan
+    for i, v in enumerate(x):
+        if not math.isfinite(v):
+            continue
+        state = v if math.isnan(state) else weight * state + (1 - weight) * v
+        out[i] = state
+    return out
