@@ -252,11 +252,13 @@ def _layers(runs: list[Run]) -> list[int]:
 
 
 def plot_expert_change(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Path:
-    """Expert-change fraction by step (after one update; mini-batches 2..M) and by layer."""
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    """Expert-change fraction by step (after one update; mini-batches 2..M, over all positions and over
+    response positions only, the paper's quantity) and by layer."""
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     panels = [
         ("routing/expert_change/after_one_update", "after one update (mini-batch 2)"),
         ("routing/expert_change/frac", "mean over mini-batches 2..M"),
+        ("routing/expert_change/response_frac", "the same, response positions only"),
     ]
     for label, color in _colors(groups).items():
         runs = groups[label]
@@ -269,10 +271,10 @@ def plot_expert_change(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Pa
                 [[finite_mean(r.series(f"routing/expert_change/layer_{i}")) for i in layers] for r in runs]
             )
             _, mean, lo, hi = aggregate_columns(per_seed)
-            _band_plot(axes[2], np.array(layers), mean, lo, hi, color, label)
+            _band_plot(axes[3], np.array(layers), mean, lo, hi, color, label)
     for ax, (key, what) in zip(axes, panels, strict=False):
         ax.set(xlabel="RL step", ylabel="fraction of top-k experts changed", title=f"{key}\n{what}")
-    axes[2].set(
+    axes[3].set(
         xlabel="layer",
         ylabel="fraction of top-k experts changed",
         title="routing/expert_change/layer_i\nmean over steps, by layer",
@@ -281,9 +283,9 @@ def plot_expert_change(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Pa
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     layers = _layers([r for runs in groups.values() for r in runs])
     if layers:
-        axes[2].set_xlim(min(layers) - 0.5, max(layers) + 0.5)
+        axes[3].set_xlim(min(layers) - 0.5, max(layers) + 0.5)
         if len(layers) <= 16:
-            axes[2].set_xticks(layers)
+            axes[3].set_xticks(layers)
     for ax in axes:
         ax.title.set_fontsize("medium")
         ax.grid(alpha=0.3)

@@ -10,7 +10,7 @@ per-run value that `moe-rl-compare` computes (moe_rl.trainer.compare.run_row):
 | final eval acc | `eval/accuracy` of the last row that has it (left out when no run has held-out eval) |
 | clip frac | mean over steps of `clip/token_frac` |
 | token-ratio var | mean over steps of `ratio/token/var` |
-| expert change | mean over steps of `routing/expert_change/frac` |
+| expert change | mean over steps of `routing/expert_change/response_frac` (over response positions; `frac` for older runs) |
 | collapse events | `collapse/events` at the run's last step |
 
 Non-finite values are left out of every mean (and of n). table.json holds the same numbers at full
@@ -186,7 +186,7 @@ def write_report(
         "## Summary (mean ± 95% CI over seeds)",
         "Per run: final reward = mean `rollout/reward/mean` over the last 5 steps; final eval acc = the last "
         "logged `eval/accuracy` (held-out eval; the column is left out when no run has it); the other columns "
-        "are means over steps of `clip/token_frac`, `ratio/token/var`, `routing/expert_change/frac`; collapse "
+        "are means over steps of `clip/token_frac`, `ratio/token/var`, `routing/expert_change/response_frac`; collapse "
         "events = `collapse/events` at the last step. Full precision in [table.json](table.json).",
         summary_md,
         "## Collapse",

@@ -10,7 +10,7 @@ folder names). Each cell is the mean over seeds ± the half-width of its 95% con
 | final eval acc | `eval/accuracy` of the last row that has it (held-out eval); the column is left out when no run has it |
 | clip frac | mean over steps of `clip/token_frac` |
 | token-ratio var | mean over steps of `ratio/token/var` |
-| expert change | mean over steps of `routing/expert_change/frac` |
+| expert change | mean over steps of `routing/expert_change/response_frac`: the paper's quantity, over response positions (runs from before it was logged fall back to `routing/expert_change/frac`, over all positions) |
 | collapse events | total over the run (`collapse/events` at its last step) |
 """
 
@@ -64,7 +64,9 @@ def run_row(rows: list[dict]) -> dict[str, float]:
         "final eval acc": last_value(rows, "eval/accuracy"),
         "clip frac": _mean([r.get("clip/token_frac", math.nan) for r in rows]),
         "token-ratio var": _mean([r.get("ratio/token/var", math.nan) for r in rows]),
-        "expert change": _mean([r.get("routing/expert_change/frac", math.nan) for r in rows]),
+        "expert change": _mean(
+            [r.get("routing/expert_change/response_frac", r.get("routing/expert_change/frac", math.nan)) for r in rows]
+        ),
         "collapse events": rows[-1]["collapse/events"] if rows else math.nan,
     }
 
