@@ -3,6 +3,7 @@
 import json
 import warnings
 
+import pytest
 from test_train import TINY, compose_config
 from wandb_offline import of_type
 
@@ -61,6 +62,7 @@ def test_counts_by_kind_counts_every_kind():
     assert set(counts) == {f"collapse/kind/{k}" for k in KINDS}
 
 
+@pytest.mark.slow
 def test_unstable_run_alerts_and_tags_each_collapse_kind(tmp_path, warm_overrides):
     """A run that collapses (lr=10) tags its W&B run collapsed:<kind> for exactly the kinds in events.jsonl,
     alerts once per kind (rate limit), and logs per-kind counts that match the events."""

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 
 from moe_rl.config import CollapseConfig
 
-
 KINDS = ("nonfinite", "reward_collapse", "entropy_collapse", "ratio_blowup")
 
 

@@ -231,8 +231,15 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             if dist.main:
                 save_checkpoint(run_dir, state)
             if dist.main and (last or stopped_on or cfg.trainer.export_hf):
-                export_policy(run_dir, ctx.model, ctx.tokenizer, config=config_dict, step=step + 1,
-                              metrics=metrics, state_dict=state["model"] if ctx.sharded else None)
+                export_policy(
+                    run_dir,
+                    ctx.model,
+                    ctx.tokenizer,
+                    config=config_dict,
+                    step=step + 1,
+                    metrics=metrics,
+                    state_dict=state["model"] if ctx.sharded else None,
+                )
         if stopped_on:
             break
     bar.close()
