@@ -41,6 +41,23 @@ def test_alerts_are_rate_limited_per_kind_and_tag_the_run(tmp_path):
     assert list(of_type(tmp_path, "run")[-1].tags) == ["t", "collapsed:ratio_blowup", "collapsed:nonfinite"]
 
 
+def test_resume_tags_past_kinds_again_without_alerting(tmp_path):
+    """On resume, the kinds of the events before the checkpoint tag the run again (once each), with no alert."""
+    wb = open_wandb(tmp_path, {}, mode="offline", project="moe-rl-test", entity=None, group="g", name="n", tags=[])
+    alerts = CollapseAlerts(wb, interval_s=300.0)
+    alerts.tag_past([_event(0), _event(1), _event(1, "nonfinite")])
+    alerts(_event(2))
+    wb.finish()
+    assert list(of_type(tmp_path, "run")[-1].tags) == ["collapsed:ratio_blowup", "collapsed:nonfinite"]
+    assert [a.text for a in of_type(tmp_path, "alert")] == ["step 2: value 2000 crossed threshold 1000"]
+
+
+def test_negative_alert_interval_fails_naming_the_field():
+    """logger.alert_interval_s < 0 is refused at start-up with an error naming the field."""
+    with pytest.raises(ValueError, match="logger.alert_interval_s"):
+        compose_config(["logger.alert_interval_s=-1"])
+
+
 def test_alert_on_a_failed_wandb_run_never_raises(tmp_path):
     """An alert or tag after W&B has failed (the run is finished) warns once and returns instead of raising."""
     wb = open_wandb(tmp_path, {}, mode="offline", project="moe-rl-test", entity=None, group="g", name="n", tags=[])

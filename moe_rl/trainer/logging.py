@@ -127,8 +127,14 @@ class Wandb:
         self._guard(lambda: self.run.alert(title=title, text=text, level="WARN", wait_duration=wait_s))
 
     def add_tag(self, tag: str) -> None:
-        """Add a tag to the run, keeping its others."""
-        self._guard(lambda: setattr(self.run, "tags", (*(self.run.tags or ()), tag)))
+        """Add a tag to the run (once), keeping its others."""
+
+        def add() -> None:
+            tags = tuple(self.run.tags or ())
+            if tag not in tags:
+                self.run.tags = (*tags, tag)
+
+        self._guard(add)
 
     def finish(self) -> None:
         self._guard(self.run.finish)
@@ -154,6 +160,14 @@ class CollapseAlerts:
         self.wb, self.interval_s, self.clock = wb, interval_s, clock
         self.last_sent: dict[str, float] = {}
         self.tagged: set[str] = set()
+
+    def tag_past(self, events: list[dict]) -> None:
+        """On resume: tag the kinds of the events before the checkpoint again (no alerts), since the
+        resumed W&B run starts from the tags given to `wandb.init`."""
+        for kind in dict.fromkeys(e["kind"] for e in events):
+            if kind not in self.tagged:
+                self.wb.add_tag(f"collapsed:{kind}")
+                self.tagged.add(kind)
 
     def __call__(self, event: dict) -> bool:
         """Alert (unless rate-limited) and tag for one event {step, kind, value, threshold}; True if sent."""

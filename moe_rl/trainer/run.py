@@ -195,6 +195,8 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             tags=tags,
         )
     alerts = CollapseAlerts(wb, lg.alert_interval_s) if lg.alerts else None
+    if alerts:
+        alerts.tag_past([dataclasses.asdict(e) for e in ctx.detector.events])
     stopped_on = None
     t0 = time.perf_counter()
     bar = tqdm(
