@@ -194,9 +194,8 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             name=f"{run_label(cfg)} seed={cfg.seed}",
             tags=tags,
         )
-    alerts = CollapseAlerts(wb, lg.alert_interval_s) if lg.alerts else None
-    if alerts:
-        alerts.tag_past([dataclasses.asdict(e) for e in ctx.detector.events])
+    alerts = CollapseAlerts(wb if lg.alerts else NullWandb(), lg.alert_interval_s)
+    alerts.tag_past([dataclasses.asdict(e) for e in ctx.detector.events])
     stopped_on = None
     t0 = time.perf_counter()
     bar = tqdm(
@@ -218,8 +217,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         new = [e for e in ctx.detector.events if e.step == step]
         for event in new:
             local.event(dataclasses.asdict(event))
-            if alerts:
-                alerts(dataclasses.asdict(event))
+            alerts(dataclasses.asdict(event))
         bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", events=len(ctx.detector.events))
         last = step + 1 == cfg.trainer.steps
         if new and cfg.collapse.stop_on_collapse:
