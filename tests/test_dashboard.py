@@ -134,7 +134,8 @@ def test_every_ablation_has_a_report_quoting_its_config_comment():
     """Each ablation in conf/experiment (all but the quickstart) has exactly one report, whose text is the
     experiment file's header comment."""
     ablations = {p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml")} - {"quickstart"}
-    assert sorted(r.experiment for r in REPORTS) == sorted(ablations)
+    assert sorted(r.experiment for r in REPORTS) == sorted(ablations), (
+        "each conf/experiment ablation needs a ReportSpec in moe_rl.dashboard.REPORTS (and vice versa)")
     clipping = experiment_text("clipping")
     assert clipping.startswith("Ablation 2, clipping (Fig. 2)") and "@package" not in clipping
     assert "moe-rl-train" not in clipping
