@@ -116,6 +116,10 @@ class TrainerConfig:
     paper, section 5.4). The same weights at the same precision compute them, so they agree with a full
     forward to float rounding (~1e-6), and the first mini-batch's ratios are 1 to that precision
     instead of exactly. Needs the sampler to be the trained model (trainer.sampler_dtype null)."""
+    export_hf: bool = False
+    """Also write the policy in Hugging Face format (`policy/` in the run folder: `save_pretrained` of
+    the model and tokenizer, plus moe_rl.json with the config and metrics) at every checkpoint. It is
+    always written at the end of the run; see moe_rl/trainer/export.py."""
 
 
 @dataclass
@@ -154,6 +158,12 @@ class LoggerConfig:
     """Extra W&B tags (objective, replay source and experiment are added)."""
     progress: bool = True
     """Show a progress bar."""
+    alerts: bool = True
+    """On each collapse event call `wandb.alert` (title: the kind; text: the step and the values that
+    tripped it) and tag the run `collapsed:<kind>`, so a W&B filter finds collapsed runs."""
+    alert_interval_s: float = 300.0
+    """Rate limit: at most one alert per collapse kind in this many seconds (also passed to W&B as the
+    alert's wait_duration); the tag is added on the first event of each kind."""
 
 
 @dataclass
@@ -259,6 +269,8 @@ class Config:
             )
         if self.logger.mode not in WANDB_MODES:
             raise ValueError(f"logger.mode={self.logger.mode!r}: expected one of {WANDB_MODES}")
+        if self.logger.alert_interval_s < 0:
+            raise ValueError(f"logger.alert_interval_s={self.logger.alert_interval_s}: must be >= 0")
         self.warmstart.validate()
         self.eval.validate()
         if self.seed < 0:

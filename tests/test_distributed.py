@@ -208,7 +208,8 @@ def test_two_process_run_resumes_to_the_same_metrics(runs):
 
 @pytest.mark.slow
 def test_fsdp_two_processes_match_one_process(runs):
-    """FSDP2 over 2 gloo processes (lock-step sampling, sharded AdamW) trains as the 1-process run does."""
+    """FSDP2 over 2 gloo processes (lock-step sampling, sharded AdamW) trains as the 1-process run does, and
+    exports the full (gathered) weights to policy/."""
     root, overrides, _ = runs
     fsdp = root / "fsdp"
     _run(fsdp, [*overrides, "trainer.steps=2", "trainer.parallel=fsdp"])
@@ -218,6 +219,10 @@ def test_fsdp_two_processes_match_one_process(runs):
             assert b[key] == pytest.approx(a[key], rel=TOL, abs=TOL), key
     saved = _params(fsdp)
     assert set(saved) == set(_params(root / "one")), "rank 0 saves the full, unsharded state dict"
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(fsdp / "policy").state_dict()
+    assert all(torch.equal(policy[k], saved[k]) for k in saved), "policy/ holds the gathered full weights"
 
 
 def _worker_pids(launcher: int) -> dict[int, int]:

@@ -1,4 +1,5 @@
-"""The RL loop: one step (`step.py`), a whole run (`run.py`), collapse events, logging and checkpoints.
+"""The RL loop: one step (`step.py`), a whole run (`run.py`), collapse events, logging, checkpoints and
+the policy's export in Hugging Face format (`export.py`).
 
 Metrics logged every step (to metrics.jsonl and W&B). Under data parallelism (torchrun, W ranks) every
 metric is first reduced over ranks (`reduce_metric` in distributed.py), so one process and W processes
@@ -33,6 +34,7 @@ log the same quantity:
 | `routing/replay_cache_bytes` | bytes of expert ids held for replay this step (0 when replay is off) |
 | `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens, where the old-policy log-probs are those the objective uses as π_old, under the arm's replay (R3 replays the sampler's routing there; 0 by construction with `trainer.reuse_sampler_logp`) |
 | `collapse/events`, `collapse/new_events` | collapse events so far, and those of this step (see collapse.py) |
+| `collapse/kind/{kind}` | collapse events of each kind so far (`nonfinite`, `reward_collapse`, `entropy_collapse`, `ratio_blowup`; 0 until one fires) |
 | `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages (`time/old_forward_s` is ~0 with `trainer.reuse_sampler_logp`) |
 | `throughput/tokens_per_s` | (prompt + response tokens of the batch) / step seconds |
 | `throughput/sampler_tokens_per_s` | response tokens sampled / rollout seconds |

@@ -8,7 +8,7 @@
 | `ratio_blowup` | `ratio/token/max` > `ratio_max` or `ratio/token/min` < 1 / `ratio_max` in any mini-batch |
 
 Reward and entropy collapse fire once when entered and again only after recovery, so a long
-collapse is one event, not one per step.
+collapse is one event, not one per step. `collapse/kind/<kind>` counts each kind's events so far.
 """
 
 from __future__ import annotations
@@ -17,6 +17,13 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from moe_rl.config import CollapseConfig
+
+KINDS = ("nonfinite", "reward_collapse", "entropy_collapse", "ratio_blowup")
+
+
+def counts_by_kind(events: list[CollapseEvent]) -> dict[str, float]:
+    """`collapse/kind/<kind>`: how many events of each kind so far (0 for a kind that has not fired)."""
+    return {f"collapse/kind/{kind}": float(sum(e.kind == kind for e in events)) for kind in KINDS}
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -55,6 +56,12 @@ class NullWandb:
         pass
 
     def summary(self, values: dict) -> None:
+        pass
+
+    def alert(self, title: str, text: str, wait_s: float) -> None:
+        pass
+
+    def add_tag(self, tag: str) -> None:
         pass
 
     def finish(self) -> None:
@@ -115,6 +122,20 @@ class Wandb:
     def summary(self, values: dict) -> None:
         self._guard(lambda: self.run.summary.update(values))
 
+    def alert(self, title: str, text: str, wait_s: float) -> None:
+        """`wandb.alert` (offline it is stored in the run and sent by `wandb sync`)."""
+        self._guard(lambda: self.run.alert(title=title, text=text, level="WARN", wait_duration=wait_s))
+
+    def add_tag(self, tag: str) -> None:
+        """Add a tag to the run (once), keeping its others."""
+
+        def add() -> None:
+            tags = tuple(self.run.tags or ())
+            if tag not in tags:
+                self.run.tags = (*tags, tag)
+
+        self._guard(add)
+
     def finish(self) -> None:
         self._guard(self.run.finish)
 
@@ -126,3 +147,38 @@ def open_wandb(run_dir: Path, config: dict, **kwargs: Any) -> Wandb | NullWandb:
     except Exception as err:  # noqa: BLE001
         warnings.warn(f"W&B could not start ({err}); training continues with local logs only", stacklevel=2)
         return NullWandb()
+
+
+class CollapseAlerts:
+    """Turns collapse events into W&B alerts and `collapsed:<kind>` run tags.
+
+    Rate-limited per kind: an event within `interval_s` seconds of the last alert of its kind sends none
+    (a run that keeps blowing up sends one alert, not one per step). Each kind's tag is added once.
+    """
+
+    def __init__(self, wb: Wandb | NullWandb, interval_s: float, clock=time.monotonic) -> None:
+        self.wb, self.interval_s, self.clock = wb, interval_s, clock
+        self.last_sent: dict[str, float] = {}
+        self.tagged: set[str] = set()
+
+    def tag_past(self, events: list[dict]) -> None:
+        """On resume: tag the kinds of the events before the checkpoint again (no alerts), since the
+        resumed W&B run starts from the tags given to `wandb.init`."""
+        for kind in dict.fromkeys(e["kind"] for e in events):
+            if kind not in self.tagged:
+                self.wb.add_tag(f"collapsed:{kind}")
+                self.tagged.add(kind)
+
+    def __call__(self, event: dict) -> bool:
+        """Alert (unless rate-limited) and tag for one event {step, kind, value, threshold}; True if sent."""
+        kind = event["kind"]
+        if kind not in self.tagged:
+            self.wb.add_tag(f"collapsed:{kind}")
+            self.tagged.add(kind)
+        now = self.clock()
+        if kind in self.last_sent and now - self.last_sent[kind] < self.interval_s:
+            return False
+        self.last_sent[kind] = now
+        text = f"step {event['step']}: value {event['value']:.6g} crossed threshold {event['threshold']:.6g}"
+        self.wb.alert(kind, text, self.interval_s)
+        return True

@@ -1,5 +1,8 @@
 """A whole run: build (or warm-start) the policy, loop over RL steps, log, checkpoint, resume.
 
+The policy is also written in Hugging Face format to `policy/` at the end of the run (and at every
+checkpoint with `trainer.export_hf=true`; moe_rl/trainer/export.py).
+
 Under `torchrun` with several processes (moe_rl.trainer.distributed) every rank runs `train`; only rank
 0 writes metrics, events, the summary, checkpoints and W&B, into rank 0's run folder. Every rank's RNGs
 are in the same state after a step (the sampling generator is re-seeded from (seed, step) and every
@@ -25,7 +28,7 @@ from moe_rl.models import build_model, build_tokenizer
 from moe_rl.routing import RoutingController
 from moe_rl.tasks import make_task
 from moe_rl.trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from moe_rl.trainer.collapse import CollapseDetector
+from moe_rl.trainer.collapse import CollapseDetector, counts_by_kind
 from moe_rl.trainer.evaluate import evaluate
 from moe_rl.trainer.distributed import (
     Dist,
@@ -37,7 +40,8 @@ from moe_rl.trainer.distributed import (
     state_dicts,
     wrap,
 )
-from moe_rl.trainer.logging import LocalLog, NullWandb, open_wandb
+from moe_rl.trainer.export import export_policy
+from moe_rl.trainer.logging import CollapseAlerts, LocalLog, NullWandb, open_wandb
 from moe_rl.trainer.step import StepContext, rl_step
 from moe_rl.warmstart import warm_start
 
@@ -200,6 +204,8 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             name=f"{run_label(cfg)} seed={cfg.seed}",
             tags=tags,
         )
+    alerts = CollapseAlerts(wb if lg.alerts else NullWandb(), lg.alert_interval_s)
+    alerts.tag_past([dataclasses.asdict(e) for e in ctx.detector.events])
     stopped_on = None
     t0 = time.perf_counter()
     bar = tqdm(
@@ -216,6 +222,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     eval_prompts = [ctx.prompt(ex.prompt) for ex in eval_examples]
     for step in bar:
         metrics = rl_step(ctx, step)
+        metrics.update(counts_by_kind(ctx.detector.events))
         steps_done = step + 1
         new = [e for e in ctx.detector.events if e.step == step]
         last = step + 1 == cfg.trainer.steps
@@ -231,6 +238,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         wb.log(metrics, step=step)
         for event in new:
             local.event(dataclasses.asdict(event))
+            alerts(dataclasses.asdict(event))
         bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", events=len(ctx.detector.events))
         if (
             last
@@ -240,6 +248,16 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             state = _state(ctx, step + 1)
             if dist.main:
                 save_checkpoint(run_dir, state)
+            if dist.main and (last or stopped_on or cfg.trainer.export_hf):
+                export_policy(
+                    run_dir,
+                    ctx.model,
+                    ctx.tokenizer,
+                    config=config_dict,
+                    step=step + 1,
+                    metrics=metrics,
+                    state_dict=state["model"] if ctx.sharded else None,
+                )
         if stopped_on:
             break
     bar.close()

@@ -1,0 +1,300 @@
+"""`moe-rl-dashboard`: a W&B saved workspace and one report per ablation, built in code.
+
+    moe-rl-dashboard --entity ME --project moe-rl                         # workspace over every run, all reports
+    moe-rl-dashboard --entity ME --project moe-rl --experiment stability  # that experiment's runs and report
+    moe-rl-dashboard --entity ME --project moe-rl --group NAME            # one sweep (W&B group) only
+    moe-rl-dashboard --entity ME --project moe-rl --dry-run               # print the specs as JSON, no network
+
+The specs are plain data (`Panel`, `Section`, `ReportSpec` below): what each panel plots is a metric key
+that `moe-rl-train` logs (moe_rl/trainer/__init__.py) or a regex over such keys. They become
+`wandb-workspaces` objects (`pip install -e ".[wandb]"`) only in `build_workspace` / `build_report`, and
+only `save` needs the network and `wandb login`.
+
+- The workspace groups runs by `objective.preset` and `routing.replay` (both in every run's W&B config)
+  and has one section per quantity of the GSPO paper: learning, clipping (log scale), ratios, routing
+  volatility, mismatch, collapse, time and throughput.
+- A report per ablation (`conf/experiment/<name>.yaml`) filters the runs to that experiment, groups them by
+  the config fields its sweep varies, holds the panels that reproduce its figure and quotes the
+  experiment file's header comment. Re-running updates the reports of the same title, and the workspace
+  given with `--workspace-url` (without it a new saved workspace is created).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPBY = ("objective.preset", "routing.replay")
+
+@dataclass(frozen=True)
+class Panel:
+    """A line plot against the RL step: one line per key (and per key matching `regex`) per run group."""
+
+    title: str
+    keys: tuple[str, ...] = ()
+    regex: str | None = None
+    log_y: bool = False
+
+
+@dataclass(frozen=True)
+class Section:
+    """A named, open section of the workspace."""
+
+    name: str
+    panels: tuple[Panel, ...]
+
+
+@dataclass(frozen=True)
+class ReportSpec:
+    """One ablation's report: its runs (filtered by experiment), grouping, panels and text."""
+
+    experiment: str
+    title: str
+    groupby: tuple[str, ...]
+    panels: tuple[Panel, ...]
+    text: str = ""
+
+
+REWARD = Panel("train reward", ("rollout/reward/mean",))
+EVAL = Panel("held-out eval accuracy", ("eval/accuracy", "eval/accuracy_greedy"))
+LENGTH = Panel("response length", ("rollout/response_len/mean", "eval/response_len"))
+CLIP_TOKEN = Panel("clipped token fraction", ("clip/token_frac",), log_y=True)
+CLIP_SEQ = Panel("clipped sequence fraction", ("clip/seq_frac",), log_y=True)
+CLIP_SIDES = Panel("clipped low / high", ("clip/low_frac", "clip/high_frac"), log_y=True)
+TOKEN_VAR = Panel("token-ratio variance", ("ratio/token/var",), log_y=True)
+WITHIN_SEQ_VAR = Panel("within-sequence token-ratio variance", ("ratio/token/within_seq_var",), log_y=True)
+SEQ_VAR = Panel("sequence-ratio variance", ("ratio/seq/var",), log_y=True)
+EXTREMES = Panel("token-ratio extremes", ("ratio/token/max", "ratio/token/min"), log_y=True)
+EXTREME_FRAC = Panel("token ratios outside the extreme band", ("ratio/token/extreme_frac",))
+CHANGE = Panel(
+    "expert change after one update", ("routing/expert_change/after_one_update", "routing/expert_change/frac")
+)
+CHANGE_LAYERS = Panel("expert change per layer", regex=r"^routing/expert_change/layer_\d+$")
+ROLLOUT_VS_OLD = Panel("routing disagreement: rollout vs old policy", ("routing/rollout_vs_old/frac",))
+LOGP_DIFF = Panel("log-prob difference: sampler vs old policy", ("mismatch/logp_abs_diff/mean",), log_y=True)
+EVENTS_BY_KIND = Panel("collapse events by kind", regex=r"^collapse/kind/\w+$")
+EVENTS = Panel("collapse events", ("collapse/events",))
+ENTROPY = Panel("sampler entropy (nats)", ("rollout/entropy/mean",))
+STAGES = Panel(
+    "seconds per step, by stage", ("time/step_s", "time/rollout_s", "time/old_forward_s", "time/train_s")
+)
+THROUGHPUT = Panel("throughput (tokens/s)", ("throughput/tokens_per_s", "throughput/sampler_tokens_per_s"))
+
+SECTIONS = (
+    Section("learning", (REWARD, EVAL, LENGTH)),
+    Section("clipping", (CLIP_TOKEN, CLIP_SEQ, CLIP_SIDES)),
+    Section("ratios", (TOKEN_VAR, WITHIN_SEQ_VAR, SEQ_VAR, EXTREMES, EXTREME_FRAC)),
+    Section("routing volatility", (CHANGE, CHANGE_LAYERS, ROLLOUT_VS_OLD)),
+    Section("mismatch", (LOGP_DIFF, ROLLOUT_VS_OLD)),
+    Section("collapse", (EVENTS_BY_KIND, EVENTS, ENTROPY)),
+    Section("time and throughput", (STAGES, THROUGHPUT)),
+)
+
+# One per conf/experiment/<name>.yaml ablation; `groupby` is what its sweep varies (hydra.sweeper.params).
+REPORTS = (
+    ReportSpec("stability", "Stability: GSPO vs GRPO + Routing Replay vs GRPO (Fig. 1, 3)", GROUPBY,
+               (REWARD, EVAL, LENGTH, STAGES)),
+    ReportSpec("clipping", "Clipping: fraction of clipped tokens (Fig. 2)", ("objective.preset",),
+               (CLIP_TOKEN, CLIP_SEQ, CLIP_SIDES, REWARD)),
+    ReportSpec("volatility", "Expert volatility after each update (§5.3)",
+               ("model.num_layers", "model.num_experts", "trainer.lr"), (CHANGE, CHANGE_LAYERS)),
+    ReportSpec("length", "Length and noise: ratio variance vs response length (§3)",
+               ("objective.preset", "task.difficulty"), (TOKEN_VAR, WITHIN_SEQ_VAR, CLIP_TOKEN, LENGTH)),
+    ReportSpec("replay_source", "Replay source: off vs old (R2) vs rollout (R3), fp32 and bf16 sampler",
+               (*GROUPBY, "trainer.sampler_dtype"), (LOGP_DIFF, ROLLOUT_VS_OLD, REWARD, TOKEN_VAR)),
+    ReportSpec("collapse_stress", "Collapse under stress: staleness and learning rate",
+               ("objective.preset", "trainer.mini_batches", "trainer.lr"),
+               (EVENTS_BY_KIND, EVENTS, REWARD, EXTREMES)),
+)  # fmt: skip
+
+
+def _plain(spec: Panel | Section | ReportSpec) -> dict:
+    """A spec as plain JSON data (tuples become lists), equal to what --dry-run prints and reads back."""
+    return json.loads(json.dumps(dataclasses.asdict(spec)))
+
+
+def experiment_text(name: str, conf_dir: Path = CONF_DIR) -> str:
+    """The header comment of conf/experiment/<name>.yaml (without `# @package`), as one paragraph."""
+    lines = (conf_dir / "experiment" / f"{name}.yaml").read_text().splitlines()
+    comment = []
+    for line in lines:
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if not text.startswith("@package") and not text.startswith("moe-rl-train"):
+            comment.append(text)
+    return " ".join(comment)
+
+
+def run_filter(experiment: str | None, group: str | None) -> str:
+    """W&B filter expression selecting the runs (empty: every run of the project)."""
+    parts = [f"Config('experiment') = '{experiment}'"] if experiment else []
+    parts += [f"Metric('Group') = '{group}'"] if group else []
+    return " and ".join(parts)
+
+
+def workspace_spec(
+    entity: str, project: str, experiment: str | None = None, group: str | None = None
+) -> dict:
+    """The saved workspace as JSON-able data."""
+    # W&B refuses symbols in workspace names ("=" included).
+    name = ", ".join(
+        ["moe-rl"] + [f"{k} {v}" for k, v in (("experiment", experiment), ("group", group)) if v]
+    )
+    return {
+        "entity": entity,
+        "project": project,
+        "name": name,
+        "filters": run_filter(experiment, group),
+        "groupby": list(GROUPBY),
+        "sections": [_plain(s) for s in SECTIONS],
+    }
+
+
+def report_specs(
+    entity: str,
+    project: str,
+    experiment: str | None = None,
+    group: str | None = None,
+    conf_dir: Path = CONF_DIR,
+) -> list[dict]:
+    """One report per ablation (only `experiment`'s when given) as JSON-able data."""
+    specs = [r for r in REPORTS if experiment in (None, r.experiment)]
+    return [
+        {
+            **_plain(dataclasses.replace(r, text=experiment_text(r.experiment, conf_dir))),
+            "entity": entity,
+            "project": project,
+            "filters": run_filter(r.experiment, group),
+        }
+        for r in specs
+    ]
+
+
+def panel_keys(panels: list[dict]) -> list[str]:
+    """Every metric key the panels plot (regexes not included)."""
+    return [key for panel in panels for key in panel["keys"]]
+
+
+def _line_plot(panel: dict) -> Any:
+    import wandb_workspaces.reports.v2 as wr
+
+    return wr.LinePlot(
+        title=panel["title"], y=list(panel["keys"]), metric_regex=panel["regex"], log_y=panel["log_y"] or None
+    )
+
+
+def build_workspace(spec: dict) -> Any:
+    """The `wandb_workspaces.workspaces.Workspace` for `workspace_spec(...)`; no network."""
+    import wandb_workspaces.workspaces as ws
+
+    sections = [
+        ws.Section(name=s["name"], panels=[_line_plot(p) for p in s["panels"]], is_open=True)
+        for s in spec["sections"]
+    ]
+    runset = ws.RunsetSettings(filters=spec["filters"], groupby=[ws.Config(key) for key in spec["groupby"]])
+    return ws.Workspace(
+        entity=spec["entity"],
+        project=spec["project"],
+        name=spec["name"],
+        sections=sections,
+        runset_settings=runset,
+    )
+
+
+def build_report(spec: dict) -> Any:
+    """The `wandb_workspaces.reports.v2.Report` for one of `report_specs(...)`; no network."""
+    import wandb_workspaces.reports.v2 as wr
+
+    # The runset's entity and project are filled in by `save`: with them set, wandb-workspaces looks the
+    # project up over the network to serialise the report.
+    runset = wr.Runset(
+        name=spec["experiment"],
+        filters=spec["filters"],
+        groupby=[f"config.{key}" for key in spec["groupby"]],
+    )
+    grid = wr.PanelGrid(runsets=[runset], panels=[_line_plot(p) for p in spec["panels"]])
+    blocks = [
+        wr.P(spec["text"]),
+        wr.P(f"Runs: experiment={spec['experiment']}, grouped by {', '.join(spec['groupby'])}."),
+        grid,
+    ]
+    return wr.Report(
+        project=spec["project"],
+        entity=spec["entity"],
+        title=spec["title"],
+        description=spec["text"],
+        blocks=blocks,
+    )
+
+
+def library_json(obj: Any) -> dict:
+    """What wandb-workspaces sends to W&B for a built workspace or report: its own pydantic model, dumped."""
+    return obj._to_model().model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def save(workspace: Any, reports: list[Any], workspace_url: str | None) -> list[str]:
+    """Save to W&B (network, `wandb login`): update the workspace at `workspace_url` or create one; update
+    each report of the same title in the project or create it. Returns the URLs."""
+    import wandb
+    import wandb_workspaces.workspaces as ws
+
+    if workspace_url:
+        existing = ws.Workspace.from_url(workspace_url)
+        existing.sections, existing.runset_settings = workspace.sections, workspace.runset_settings
+        workspace = existing
+    urls = [workspace.save().url]
+    api = wandb.Api()
+    for report in reports:
+        for block in report.blocks:
+            for runset in getattr(block, "runsets", []):
+                runset.entity, runset.project = report.entity, report.project
+        same = [r for r in api.reports(f"{report.entity}/{report.project}") if r.display_name == report.title]
+        if same:
+            report.id = same[0].id
+        report.save()
+        urls.append(report.url)
+    return urls
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: build the specs; print them (--dry-run) or save them to W&B."""
+    parser = argparse.ArgumentParser(prog="moe-rl-dashboard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--entity", required=True, help="W&B entity (team or user)")
+    parser.add_argument("--project", default="moe-rl", help="W&B project (default: moe-rl)")
+    parser.add_argument("--experiment", help="only this experiment's runs, and only its report")
+    parser.add_argument("--group", help="only the runs of this W&B group (a sweep folder's name)")
+    parser.add_argument("--workspace-url", help="update this saved workspace instead of creating one")
+    parser.add_argument("--dry-run", action="store_true", help="print the specs as JSON; no network")
+    parser.add_argument(
+        "--library-json", action="store_true", help="with --dry-run: print what wandb-workspaces would send"
+    )
+    args = parser.parse_args(argv)
+    if args.experiment and not (CONF_DIR / "experiment" / f"{args.experiment}.yaml").exists():
+        parser.error(f"--experiment={args.experiment}: no conf/experiment/{args.experiment}.yaml")
+    spec = workspace_spec(args.entity, args.project, args.experiment, args.group)
+    reports = report_specs(args.entity, args.project, args.experiment, args.group)
+    if args.dry_run and not args.library_json:
+        print(json.dumps({"workspace": spec, "reports": reports}, indent=2))
+        return 0
+    try:
+        workspace, built = build_workspace(spec), [build_report(r) for r in reports]
+    except ImportError:
+        parser.error('needs wandb-workspaces: pip install -e ".[wandb]"')
+    if args.dry_run:
+        dump = {"workspace": library_json(workspace), "reports": [library_json(r) for r in built]}
+        print(json.dumps(dump, indent=2))
+        return 0
+    for url in save(workspace, built, args.workspace_url):
+        print(url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
