@@ -250,6 +250,11 @@ def _update(
         beta=o.beta,
         ref_logp=ref_logp,
         extreme_band=tuple(o.extreme_band),
+        kl_estimator=o.kl_estimator,
+        clip_ratio_c=o.clip_ratio_c,
+        sampler_logp=batch.sampler_logp_BR[sl],
+        rollout_is=o.rollout_is,
+        rollout_is_cap=o.rollout_is_cap,
     )
     loss = loss * loss_scale
     metrics["train/loss"] = loss.item()
