@@ -16,7 +16,8 @@ log the same quantity:
 | `rollout/accuracy` | fraction of completions with reward 1 |
 | `rollout/response_len/mean` | response tokens (EOS included) |
 | `rollout/entropy/mean` | mean entropy (nats) of the sampler's token distributions softmax(logits / T) |
-| `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches |
+| `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches; `clip/dual_frac` only with `objective.clip_ratio_c` |
+| `rollout_is/mean`, `rollout_is/max`, `rollout_is/clipped_frac`, `rollout_is/masked_frac` | with `objective.rollout_is` only: the sampler correction ρ = π_old / π_sampler before truncation (mean, max) and the fraction of tokens truncated (`*_truncate`) or masked (`*_mask`); formulas in moe_rl.objectives |
 | `train/loss`, `train/grad_norm` | mean over mini-batches (grad norm before clipping) |
 | `train/lr` | learning rate after the step |
 | `routing/expert_change/frac` | mean over mini-batches 2..M of 1 - \\|A∩B\\|/K: the current policy's free top-k (A) vs the old policy's (B) on the same tokens, before that mini-batch's update |
