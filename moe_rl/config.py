@@ -199,16 +199,22 @@ class Config:
             raise ValueError(f"objective.loss_agg={o.loss_agg!r}: expected one of {sorted(AGGREGATIONS)}")
         spec = SPECS[o.name]
         if o.loss_agg not in spec.loss_aggs:
-            raise ValueError(f"objective.loss_agg={o.loss_agg!r}: {o.name} defines {', '.join(spec.loss_aggs)} only")
+            raise ValueError(
+                f"objective.loss_agg={o.loss_agg!r}: {o.name} defines {', '.join(spec.loss_aggs)} only"
+            )
         below_one = o.clip_low <= 1 if spec.clip_low_may_be_one else o.clip_low < 1
         if not (o.clip_low >= 0 and below_one):
             interval = "[0, 1]" if spec.clip_low_may_be_one else "[0, 1)"
             raise ValueError(f"objective.clip_low={o.clip_low}: must be in {interval} for {o.name}")
         if o.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"objective.kl_estimator={o.kl_estimator!r}: expected one of {sorted(KL_ESTIMATORS)}")
+            raise ValueError(
+                f"objective.kl_estimator={o.kl_estimator!r}: expected one of {sorted(KL_ESTIMATORS)}"
+            )
         if o.clip_ratio_c is not None and not spec.dual_clip:
-            raise ValueError(f"objective.clip_ratio_c={o.clip_ratio_c}: dual-clip caps PPO's min, which {o.name} "
-                             "does not have; set it to null")
+            raise ValueError(
+                f"objective.clip_ratio_c={o.clip_ratio_c}: dual-clip caps PPO's min, which {o.name} does not "
+                "have; set it to null"
+            )
         if o.clip_ratio_c is not None and not o.clip_ratio_c > 1:
             raise ValueError(f"objective.clip_ratio_c={o.clip_ratio_c}: must be > 1 (or null)")
         if o.rollout_is not in ROLLOUT_IS_MODES:

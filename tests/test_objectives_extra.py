@@ -19,8 +19,13 @@ from moe_rl.objectives import OBJECTIVES, SPECS
 from moe_rl.objectives.common import KL_ESTIMATORS, ROLLOUT_IS_MODES
 
 NAMES = sorted(OBJECTIVES)
-CLIP = {"grpo": (0.2, 0.28), "gspo": (0.03, 0.04), "gspo_token": (0.03, 0.04), "cispo": (0.2, 0.28),
-        "gmpo": (0.1, 0.15)}  # asymmetric on purpose; gmpo's are log-space bounds
+CLIP = {
+    "grpo": (0.2, 0.28),
+    "gspo": (0.03, 0.04),
+    "gspo_token": (0.03, 0.04),
+    "cispo": (0.2, 0.28),
+    "gmpo": (0.1, 0.15),
+}  # asymmetric on purpose; gmpo's are log-space bounds
 GAPS = {"small": 0.05, "large": 1.5}
 IS_MODES = [m for m in ROLLOUT_IS_MODES if m != "none"]
 BOUND = 20.0
@@ -37,7 +42,12 @@ def make_batch(seed: int = 0, gap: float = 0.3, sampler_gap: float = 0.1, B: int
     ref = old + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
     sampler = old + sampler_gap * torch.randn(B, T, generator=g, dtype=torch.float64)
     adv = torch.randn(B, generator=g, dtype=torch.float64)
-    for x, garbage in ((logp, float("nan")), (old, -float("inf")), (ref, float("inf")), (sampler, float("nan"))):
+    for x, garbage in (
+        (logp, float("nan")),
+        (old, -float("inf")),
+        (ref, float("inf")),
+        (sampler, float("nan")),
+    ):
         x[~mask] = garbage
     return logp.requires_grad_(), old, adv, mask, ref, sampler
 
@@ -85,8 +95,9 @@ def ppo_term(ratio, a, lo, hi, c):
     return torch.min(term, -c * a) if (c is not None and a < 0) else term
 
 
-def ref_loss(name, logp, old, adv, mask, lo, hi, *, loss_agg="seq-mean-token-mean", c=None, weights=None,
-             max_len=None):
+def ref_loss(
+    name, logp, old, adv, mask, lo, hi, *, loss_agg="seq-mean-token-mean", c=None, weights=None, max_len=None
+):
     """Each objective's loss from its paper, times the rollout IS weights ω (default 1)."""
     w = weights or {(i, t): (1.0, 1.0) for i in rows(mask) for t in toks(mask, i)}
     per_row, per_seq = [], []
@@ -95,14 +106,24 @@ def ref_loss(name, logp, old, adv, mask, lo, hi, *, loss_agg="seq-mean-token-mea
         mean_w = sum(w[i, t][1] for t in ts) / len(ts)
         d = [logp[i, t] - old[i, t] for t in ts]
         if name == "grpo":
-            per_row.append([ppo_term(torch.exp(dt), a, lo, hi, c) * w[i, t][1] for dt, t in zip(d, ts)])
+            per_row.append(
+                [ppo_term(torch.exp(dt), a, lo, hi, c) * w[i, t][1] for dt, t in zip(d, ts, strict=True)]
+            )
         elif name == "gspo_token":
             s = torch.exp(sum(d).detach() / len(ts))
-            per_row.append([ppo_term(s * torch.exp(logp[i, t] - logp[i, t].detach()), a, lo, hi, c) * w[i, t][1]
-                            for t in ts])
+            per_row.append(
+                [
+                    ppo_term(s * torch.exp(logp[i, t] - logp[i, t].detach()), a, lo, hi, c) * w[i, t][1]
+                    for t in ts
+                ]
+            )
         elif name == "cispo":  # MiniMax-M1: −sg(clip(r, 1 − ε_low, 1 + ε_high)) Â log π
-            per_row.append([-torch.clamp(torch.exp(dt).detach(), 1 - lo, 1 + hi) * a * logp[i, t] * w[i, t][1]
-                            for dt, t in zip(d, ts)])
+            per_row.append(
+                [
+                    -torch.clamp(torch.exp(dt).detach(), 1 - lo, 1 + hi) * a * logp[i, t] * w[i, t][1]
+                    for dt, t in zip(d, ts, strict=True)
+                ]
+            )
         elif name == "gspo":
             per_seq.append(ppo_term(torch.exp(sum(d) / len(ts)), a, lo, hi, c) * mean_w)
         elif name == "gmpo":  # GMPO: Π_t min(r^σ, clip(r, e^−lo, e^hi)^σ)^(σ/|y|), σ = sign(Â)
@@ -156,7 +177,9 @@ def test_cispo_gradient_is_clipped_weight_times_advantage():
 def test_cispo_clip_low_one_means_no_lower_bound():
     """clip_low = 1 (the paper's no lower bound) leaves a tiny ratio unclipped and counts no low clip."""
     logp, old, adv, mask, _, _ = make_batch(seed=3, gap=2.0)
-    loss, metrics = OBJECTIVES["cispo"](logp, old, adv, mask, clip_low=1.0, clip_high=4.0, loss_agg="token-mean")
+    loss, metrics = OBJECTIVES["cispo"](
+        logp, old, adv, mask, clip_low=1.0, clip_high=4.0, loss_agg="token-mean"
+    )
     r = torch.exp(logp.detach() - old).clamp(max=5.0)
     assert (r[mask] < 0.2).any()
     assert_close(grad_of(loss, logp), torch.where(mask, -r * adv[:, None] / mask.sum(), 0.0))
@@ -183,7 +206,7 @@ def test_gmpo_gradient_zero_exactly_at_clipped_tokens():
     logp, old, adv, mask, _, _ = make_batch(seed=5, gap=0.4)
     lo, hi = CLIP["gmpo"]
     loss, metrics = call("gmpo", logp, old, adv, mask)
-    d = (logp.detach() - old)
+    d = logp.detach() - old
     sign = torch.sign(adv)[:, None]
     clipped = mask & (((sign > 0) & (d > hi)) | ((sign < 0) & (d < -lo)))
     d_hat = torch.where(mask, sign * torch.minimum(sign * d, sign * d.clamp(-lo, hi)), 0.0)
@@ -214,15 +237,28 @@ def test_dual_clip_matches_reference(name):
     """With clip_ratio_c, a negative advantage's loss is min(ℓ, −c·Â): value, gradient and clip/dual_frac."""
     logp, old, adv, mask, _, _ = make_batch(seed=7, gap=1.5)
     if name != "grpo":  # give whole sequences ratios far from 1 so s_i > c happens
-        old = torch.where(mask, old - 2.0 * torch.sign(torch.randn(mask.shape[0], 1, dtype=old.dtype,
-                                                                   generator=torch.Generator().manual_seed(0))), old)
+        old = torch.where(
+            mask,
+            old
+            - 2.0
+            * torch.sign(
+                torch.randn(mask.shape[0], 1, dtype=old.dtype, generator=torch.Generator().manual_seed(0))
+            ),
+            old,
+        )
     c = 1.5
     loss, metrics = call(name, logp, old, adv, mask, clip_ratio_c=c)
     expected = ref_loss(name, logp, old, adv, mask, *CLIP[name], c=c)
     assert_close(loss, expected)
     assert_close(grad_of(loss, logp), grad_of(expected, logp))
-    ratio = torch.exp(logp.detach() - old) if name == "grpo" else torch.exp(
-        torch.where(mask, logp.detach() - old, 0.0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+    ratio = (
+        torch.exp(logp.detach() - old)
+        if name == "grpo"
+        else torch.exp(
+            torch.where(mask, logp.detach() - old, 0.0).sum(-1, keepdim=True)
+            / mask.sum(-1, keepdim=True).clamp(min=1)
+        )
+    )
     capped = mask & (adv[:, None] < 0) & (ratio > c)
     assert capped.any()
     assert metrics["clip/dual_frac"] == pytest.approx(capped.sum().item() / mask.sum().item())
@@ -250,7 +286,9 @@ def test_rollout_is_matches_reference(name, mode, gap):
     sampler_gap = GAPS[gap] if mode.startswith("token") else GAPS[gap] / 3  # sequences sum their gaps
     logp, old, adv, mask, _, sampler = make_batch(seed=9, sampler_gap=sampler_gap)
     cap = 1.3
-    loss, metrics = call(name, logp, old, adv, mask, sampler_logp=sampler, rollout_is=mode, rollout_is_cap=cap)
+    loss, metrics = call(
+        name, logp, old, adv, mask, sampler_logp=sampler, rollout_is=mode, rollout_is_cap=cap
+    )
     w = ref_is(old, sampler, mask, mode, cap)
     expected = ref_loss(name, logp, old, adv, mask, *CLIP[name], weights=w)
     assert_close(loss, expected)
@@ -258,7 +296,11 @@ def test_rollout_is_matches_reference(name, mode, gap):
     rhos = [rho for rho, _ in w.values()]
     outside = [rho > cap if mode.endswith("truncate") else not 1 / cap <= rho <= cap for rho in rhos]
     frac_key = "rollout_is/clipped_frac" if mode.endswith("truncate") else "rollout_is/masked_frac"
-    assert {k for k in metrics if k.startswith("rollout_is/")} == {"rollout_is/mean", "rollout_is/max", frac_key}
+    assert {k for k in metrics if k.startswith("rollout_is/")} == {
+        "rollout_is/mean",
+        "rollout_is/max",
+        frac_key,
+    }
     assert metrics["rollout_is/mean"] == pytest.approx(sum(rhos) / len(rhos), rel=1e-12)
     assert metrics["rollout_is/max"] == pytest.approx(max(rhos), rel=1e-12)
     assert metrics[frac_key] == pytest.approx(sum(outside) / len(outside), rel=1e-12)
@@ -298,7 +340,9 @@ def test_sequence_mask_drops_whole_sequences():
     """sequence_mask zeroes the gradient of every token of a sequence whose ρ_i leaves [1/C, C], and only those."""
     logp, old, adv, mask, _, sampler = make_batch(seed=12, sampler_gap=0.3)
     cap = 1.5
-    loss, _ = call("grpo", logp, old, adv, mask, sampler_logp=sampler, rollout_is="sequence_mask", rollout_is_cap=cap)
+    loss, _ = call(
+        "grpo", logp, old, adv, mask, sampler_logp=sampler, rollout_is="sequence_mask", rollout_is_cap=cap
+    )
     rho = torch.exp(torch.where(mask, old - sampler, 0.0).sum(-1))
     dropped = torch.tensor([bool(mask[i].any()) and not 1 / cap <= rho[i] <= cap for i in range(len(rho))])
     grad = grad_of(loss, logp)
@@ -313,7 +357,9 @@ def ref_kl(estimator, lp, rf):
     """Schulman's estimators of KL(π_θ ‖ π_ref) from δ = ref − logp; low_var_kl caps k3 at 10 (verl)."""
     delta = torch.clamp(rf - lp, -BOUND, BOUND)
     k3 = torch.exp(delta) - delta - 1
-    return {"k1": lp - rf, "k2": 0.5 * (lp - rf) ** 2, "k3": k3, "low_var_kl": torch.clamp(k3, max=10.0)}[estimator]
+    return {"k1": lp - rf, "k2": 0.5 * (lp - rf) ** 2, "k3": k3, "low_var_kl": torch.clamp(k3, max=10.0)}[
+        estimator
+    ]
 
 
 @pytest.mark.parametrize("gap", [0.5, 4.0])
@@ -322,13 +368,19 @@ def ref_kl(estimator, lp, rf):
 def test_kl_estimator_matches_reference(name, estimator, gap):
     """loss(beta) − loss(0) = beta · agg(kl), value and gradient, and policy/ref_kl is agg(kl)."""
     logp, old, adv, mask, _, _ = make_batch(seed=13)
-    ref = torch.where(mask, old + gap * torch.randn(old.shape, dtype=old.dtype,
-                                                    generator=torch.Generator().manual_seed(1)), old)
+    ref = torch.where(
+        mask,
+        old + gap * torch.randn(old.shape, dtype=old.dtype, generator=torch.Generator().manual_seed(1)),
+        old,
+    )
     loss_agg = "token-mean" if name == "cispo" else "seq-mean-token-mean"
     base, _ = call(name, logp, old, adv, mask, loss_agg=loss_agg)
-    loss, metrics = call(name, logp, old, adv, mask, loss_agg=loss_agg, beta=0.1, ref_logp=ref,
-                         kl_estimator=estimator)
-    kl = agg([[ref_kl(estimator, logp[i, t], ref[i, t]) for t in toks(mask, i)] for i in rows(mask)], loss_agg)
+    loss, metrics = call(
+        name, logp, old, adv, mask, loss_agg=loss_agg, beta=0.1, ref_logp=ref, kl_estimator=estimator
+    )
+    kl = agg(
+        [[ref_kl(estimator, logp[i, t], ref[i, t]) for t in toks(mask, i)] for i in rows(mask)], loss_agg
+    )
     assert_close(loss - base, 0.1 * kl)
     assert_close(grad_of(loss, logp) - grad_of(base, logp), 0.1 * grad_of(kl, logp))
     assert metrics["policy/ref_kl"] == pytest.approx(kl.item(), rel=1e-12)
@@ -400,10 +452,16 @@ def test_meaningless_config_fails_at_start_up_naming_the_field(overrides, field)
 
 def test_presets_carry_their_papers_defaults():
     """cispo, gmpo, dual-clip and TIS/MIS presets carry the defaults their sources name."""
-    o = {n: compose_config([f"objective={n}"]).objective
-         for n in ("cispo", "gmpo", "grpo_dualclip", "gspo_dualclip", "grpo_tis", "grpo_mis", "gspo_seq_mis")}
+    o = {
+        n: compose_config([f"objective={n}"]).objective
+        for n in ("cispo", "gmpo", "grpo_dualclip", "gspo_dualclip", "grpo_tis", "grpo_mis", "gspo_seq_mis")
+    }
     assert (o["cispo"].name, o["cispo"].clip_low, o["cispo"].clip_high, o["cispo"].loss_agg) == (
-        "cispo", 1.0, 4.0, "token-mean")
+        "cispo",
+        1.0,
+        4.0,
+        "token-mean",
+    )
     assert (o["gmpo"].name, o["gmpo"].clip_low, o["gmpo"].clip_high) == ("gmpo", 0.4, 0.4)
     assert o["grpo_dualclip"].clip_ratio_c == 3.0 and o["grpo_dualclip"].clip_low == 0.2
     assert o["gspo_dualclip"].clip_ratio_c == 3.0 and o["gspo_dualclip"].clip_low == 3e-4

@@ -35,14 +35,29 @@ def trl_trainer(tmp_path, loss_type: str, mode: str):
     torch.manual_seed(0)
     model = build_model(ModelConfig(), tok)
     epsilon_high = 5.0 if loss_type == "cispo" else 0.28
-    args = GRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, epsilon=0.2, epsilon_high=epsilon_high,
-                      beta=0.0, report_to=[], use_cpu=True, per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=6, save_strategy="no",
-                      vllm_importance_sampling_mode=mode if mode != "none" else "sequence_mask",
-                      vllm_importance_sampling_clip_max=CAP,
-                      vllm_importance_sampling_clip_min=1 / CAP if mode.endswith("mask") else None)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["1+2="] * 8}), processing_class=tok)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        loss_type=loss_type,
+        epsilon=0.2,
+        epsilon_high=epsilon_high,
+        beta=0.0,
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        save_strategy="no",
+        vllm_importance_sampling_mode=mode if mode != "none" else "sequence_mask",
+        vllm_importance_sampling_clip_max=CAP,
+        vllm_importance_sampling_clip_min=1 / CAP if mode.endswith("mask") else None,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["1+2="] * 8}),
+        processing_class=tok,
+    )
     trainer.use_vllm = mode != "none"  # _compute_loss applies inputs["importance_sampling_ratio"] only then
     trainer.model.eval()  # TRL's eval mode: no gradient-accumulation normaliser
     return trainer
@@ -61,8 +76,15 @@ def trl_is_weight(old_BT, sampler_BT, mask_BT, mode):
 
 @pytest.mark.parametrize(
     ("loss_type", "mode"),
-    [("cispo", "none"), ("cispo", "token_truncate"), ("grpo", "token_truncate"), ("grpo", "token_mask"),
-     ("grpo", "sequence_truncate"), ("grpo", "sequence_mask"), ("grpo", "none")],
+    [
+        ("cispo", "none"),
+        ("cispo", "token_truncate"),
+        ("grpo", "token_truncate"),
+        ("grpo", "token_mask"),
+        ("grpo", "sequence_truncate"),
+        ("grpo", "sequence_mask"),
+        ("grpo", "none"),
+    ],
 )
 def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode):
     """moe-rl's cispo/grpo with rollout_is=mode equal TRL's loss_type with that IS mode: value and gradients."""
@@ -81,9 +103,15 @@ def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode):
     old_BR = current_BR + 0.3 * torch.randn(B, R, generator=g)
     sampler_BR = old_BR + 0.4 * torch.randn(B, R, generator=g)
     adv_B = torch.randn(B, generator=g)
-    inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones(B, P, dtype=torch.long),
-              "completion_ids": completion_ids, "completion_mask": mask_BR, "advantages": adv_B,
-              "old_per_token_logps": old_BR, "num_items_in_batch": mask_BR.sum()}
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": mask_BR,
+        "advantages": adv_B,
+        "old_per_token_logps": old_BR,
+        "num_items_in_batch": mask_BR.sum(),
+    }
     if mode != "none":
         inputs["importance_sampling_ratio"] = trl_is_weight(old_BR, sampler_BR, mask_BR, mode)
 
@@ -92,11 +120,20 @@ def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode):
     trl_grads = torch.autograd.grad(trl_loss, params, allow_unused=True)
 
     logp_BR = trainer._get_per_token_logps_and_entropies(model, input_ids, attention, R)[0]
-    clip = {"clip_low": 1.0, "clip_high": 4.0} if loss_type == "cispo" else {"clip_low": 0.2, "clip_high": 0.28}
+    clip = (
+        {"clip_low": 1.0, "clip_high": 4.0} if loss_type == "cispo" else {"clip_low": 0.2, "clip_high": 0.28}
+    )
     loss, metrics = OBJECTIVES[loss_type](
-        logp_BR, old_BR, adv_B, mask_BR.bool(), **clip,
+        logp_BR,
+        old_BR,
+        adv_B,
+        mask_BR.bool(),
+        **clip,
         loss_agg="token-mean" if loss_type == "cispo" else "seq-mean-token-mean",
-        sampler_logp=sampler_BR, rollout_is=mode, rollout_is_cap=CAP)
+        sampler_logp=sampler_BR,
+        rollout_is=mode,
+        rollout_is_cap=CAP,
+    )
     grads = torch.autograd.grad(loss, params, allow_unused=True)
 
     assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6)

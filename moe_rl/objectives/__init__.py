@@ -1,4 +1,4 @@
-"""Policy objectives for RL of (MoE) language models: GRPO, GSPO and GSPO-token (arXiv 2507.18071),
+r"""Policy objectives for RL of (MoE) language models: GRPO, GSPO and GSPO-token (arXiv 2507.18071),
 CISPO (arXiv 2506.13585) and GMPO (arXiv 2507.20673), with dual-clip, rollout importance-sampling
 correction and a choice of KL estimator as options.
 
@@ -62,9 +62,8 @@ in low/high is the token's log-ratio d_it against âˆ’clip_low / clip_high with Ã
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from dataclasses import dataclass
+from typing import Protocol
 
 from torch import Tensor
 
@@ -102,7 +101,7 @@ class Objective(Protocol):
 
 @dataclass(frozen=True)
 class ObjectiveSpec:
-    """Which options an objective gives a meaning to; the functions raise on the rest, the config reads this."""
+    """Which options an objective gives a meaning to (the functions raise on the rest; config reads it)."""
 
     loss_aggs: tuple[str, ...]
     """The loss_agg values it defines (a per-sequence loss has only seq-mean-token-mean)."""
@@ -115,12 +114,18 @@ class ObjectiveSpec:
 
 
 _ALL_AGGS = tuple(AGGREGATIONS)
+_SEQ = (SEQ_MEAN_TOKEN_MEAN,)
 SPECS: dict[str, ObjectiveSpec] = {
-    "grpo": ObjectiveSpec(_ALL_AGGS, dual_clip=True, seq_advantages_only=False, clip_low_may_be_one=False),
-    "gspo": ObjectiveSpec((SEQ_MEAN_TOKEN_MEAN,), True, seq_advantages_only=True, clip_low_may_be_one=False),
-    "gspo_token": ObjectiveSpec((SEQ_MEAN_TOKEN_MEAN,), True, False, clip_low_may_be_one=False),
-    "cispo": ObjectiveSpec(_ALL_AGGS, dual_clip=False, seq_advantages_only=False, clip_low_may_be_one=True),
-    "gmpo": ObjectiveSpec((SEQ_MEAN_TOKEN_MEAN,), False, seq_advantages_only=True, clip_low_may_be_one=False),
+    "grpo": ObjectiveSpec(loss_aggs=_ALL_AGGS, dual_clip=True, seq_advantages_only=False,
+                          clip_low_may_be_one=False),
+    "gspo": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=True, seq_advantages_only=True,
+                          clip_low_may_be_one=False),
+    "gspo_token": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=True, seq_advantages_only=False,
+                                clip_low_may_be_one=False),
+    "cispo": ObjectiveSpec(loss_aggs=_ALL_AGGS, dual_clip=False, seq_advantages_only=False,
+                           clip_low_may_be_one=True),
+    "gmpo": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=False, seq_advantages_only=True,
+                          clip_low_may_be_one=False),
 }
 
 OBJECTIVES: dict[str, Objective] = {

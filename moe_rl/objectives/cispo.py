@@ -74,7 +74,8 @@ def cispo(
     check_options(clip_low, clip_high, beta, ref_logp, extreme_band, allow_no_lower_clip=True)
     check_corrections(mask, kl_estimator, clip_ratio_c, sampler_logp, rollout_is, rollout_is_cap)
     if clip_ratio_c is not None:
-        raise ValueError(f"cispo has no min for dual-clip to cap; clip_ratio_c must be None, got {clip_ratio_c}")
+        raise ValueError(f"cispo has no min for dual-clip to cap: clip_ratio_c must be None, "
+                         f"got {clip_ratio_c}")
     aggregate = aggregation(loss_agg, max_len)
     logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT = prepare(logp, old_logp, advantages, mask, ref_logp)
     adv_BT = adv if adv.dim() == 2 else torch.where(mask_BT, adv[:, None], 0.0)

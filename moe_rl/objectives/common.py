@@ -91,8 +91,9 @@ def check_corrections(
     if rollout_is != "none" and not rollout_is_cap > 1.0:
         raise ValueError(f"rollout_is_cap must be > 1, got {rollout_is_cap}")
     if rollout_is != "none" and (sampler_logp is None or sampler_logp.shape != mask.shape):
+        got = None if sampler_logp is None else list(sampler_logp.shape)
         raise ValueError(f"rollout_is={rollout_is!r} needs sampler_logp, the sampler's [B, T] = "
-                         f"{list(mask.shape)} log-probs, got {None if sampler_logp is None else list(sampler_logp.shape)}")
+                         f"{list(mask.shape)} log-probs, got {got}")
 
 
 def seq_mean(x_B: Tensor, mask_BT: Tensor) -> Tensor:
@@ -208,10 +209,10 @@ def rollout_is_weight(
     As in TRL, the weight multiplies the objective's per-token loss after its clip, before aggregation,
     and a masked token still counts in the aggregation's denominator (verl's rejection sampling removes
     it from the mask instead). ω carries no gradient: both log-probs are constants of the step. Mode
-    "none" returns ω = 1 (0 at padding, as every mode) and no metrics. Metrics (float64, over valid tokens; sequence modes count each
-    token of a sequence with that sequence's ρ_i): `rollout_is/mean` and `rollout_is/max` of ρ before
-    truncation or masking, `rollout_is/clipped_frac` (truncate modes) 1/N Σ [ρ > cap],
-    `rollout_is/masked_frac` (mask modes) 1/N Σ [ρ ∉ [1/cap, cap]].
+    "none" returns ω = 1 (0 at padding, as every mode) and no metrics. Metrics (float64, over valid
+    tokens; sequence modes count each token of a sequence with that sequence's ρ_i): `rollout_is/mean`
+    and `rollout_is/max` of ρ before truncation or masking, `rollout_is/clipped_frac` (truncate modes)
+    1/N Σ [ρ > cap], `rollout_is/masked_frac` (mask modes) 1/N Σ [ρ ∉ [1/cap, cap]].
     """
     if mode == "none":
         return mask_BT.to(old_logp_BT.dtype), {}
@@ -262,7 +263,7 @@ def clip_fracs(low_BT: Tensor, high_BT: Tensor, mask_BT: Tensor) -> dict[str, fl
 def dual_clip_metrics(
     ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, clip_ratio_c: float | None
 ) -> dict[str, float]:
-    """`clip/dual_frac`: fraction of valid tokens whose dual-clip cap is active (Â < 0 and ρ > c); none if off."""
+    """`clip/dual_frac`: fraction of valid tokens whose dual-clip cap is active (Â < 0, ρ > c); {} if off."""
     if clip_ratio_c is None:
         return {}
     capped_BT = mask_BT & (adv_BT < 0) & (ratio_BT > clip_ratio_c)
