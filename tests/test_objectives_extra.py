@@ -417,11 +417,9 @@ def test_meaningless_options_raise_value_error(name, options):
 
 # --- configuration -----------------------------------------------------------------------------------
 
-CONF_DIR = str((__import__("pathlib").Path(__file__).parents[1] / "conf").resolve())
-
 
 def compose_config(overrides: list[str]):
-    from moe_rl.train import to_config
+    from moe_rl.train import CONF_DIR, to_config
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return to_config(compose(config_name="config", overrides=overrides))
@@ -468,3 +466,26 @@ def test_presets_carry_their_papers_defaults():
     assert (o["grpo_tis"].rollout_is, o["grpo_tis"].rollout_is_cap) == ("token_truncate", 2.0)
     assert o["grpo_mis"].rollout_is == "token_mask" and o["gspo_seq_mis"].rollout_is == "sequence_mask"
     assert all(cfg.preset == name for name, cfg in o.items())
+
+
+TINY = [
+    "trainer.steps=1",
+    "trainer.prompts_per_step=4",
+    "trainer.group_size=4",
+    "trainer.mini_batches=2",
+    "sampler.max_new_tokens=6",
+    "model.num_layers=2",
+    "logger.progress=false",
+    "logger.wandb=false",
+    "warmstart.enabled=false",
+]
+
+
+def test_trainer_weights_by_the_samplers_own_log_probs(tmp_path):
+    """In a real step with a bf16 sampler, rollout_is weighs by the sampler's log-probs: ρ ≠ 1 (old's would give 1)."""
+    from moe_rl.trainer.run import train
+
+    cfg = compose_config([*TINY, "objective=grpo_tis", "trainer.sampler_dtype=bfloat16"])
+    final = train(cfg, tmp_path)["final"]
+    assert final["rollout_is/max"] > 1 + 1e-3 and 0.9 < final["rollout_is/mean"] < 1.1
+    assert math.isfinite(final["rollout_is/clipped_frac"]) and math.isfinite(final["train/loss"])
