@@ -481,6 +481,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_trainer_weights_by_the_samplers_own_log_probs(tmp_path):
     """In a real step with a bf16 sampler, rollout_is weighs by the sampler's log-probs: ρ ≠ 1 (old's would give 1)."""
     from moe_rl.trainer.run import train
