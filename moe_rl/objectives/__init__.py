@@ -51,13 +51,13 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `policy/logp_diff/abs_mean` | 1/N Σ abs(d_it) (not clamped) |
 | `policy/ref_kl` | beta > 0 only: agg(kl_it) with the chosen `kl_estimator` (default k3 = exp(δ_it) − δ_it − 1), δ = ref_logp − logp; the penalty before beta |
 | `clip/dual_frac` | clip_ratio_c set only: 1/N Σ [Â_it < 0 ∧ ρ_it > c], tokens whose loss dual-clip caps at c·\|Â_it\| (zero gradient); not counted in `clip/token_frac` |
-| `rollout_is/mean`, `rollout_is/max` | rollout_is ≠ none only: 1/N Σ ρ_it and max ρ_it of the sampler correction ρ = exp(clamp(old_logp − sampler_logp, ±20)) before truncation or masking; sequence modes use ρ_i = exp(clamp(Σ_t ·, ±20)) at each of the sequence's tokens |
-| `rollout_is/clipped_frac` | *_truncate only: 1/N Σ [ρ_it > cap] |
-| `rollout_is/masked_frac` | *_mask only: 1/N Σ [ρ_it ∉ [1/cap, cap]] (tokens, or every token of a masked sequence) |
+| `rollout_is/mean`, `rollout_is/max` | rollout_is ≠ none only: 1/N Σ q_it and max q_it of the sampler correction q_it = exp(clamp(old_logp_it − sampler_logp_it, ±20)) before truncation or masking; sequence modes use q_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) at each of the sequence's tokens |
+| `rollout_is/clipped_frac` | *_truncate only: 1/N Σ [q_it > cap] |
+| `rollout_is/masked_frac` | *_mask only: 1/N Σ [q_it ∉ [1/cap, cap]] (tokens, or every token of a masked sequence) |
 
-For cispo, `clip/low_frac` and `clip/high_frac` count tokens whose weight r_it is truncated below
-1 − clip_low or above 1 + clip_high whatever Â's sign (the gradient is scaled, not zeroed); for gmpo, ρ_it
-in low/high is the token's log-ratio d_it against −clip_low / clip_high with Â's sign as in the table.
+For cispo, low_it = [r_it < 1 − clip_low] and high_it = [r_it > 1 + clip_high] whatever Â's sign: the
+weight is truncated (its gradient scaled, not zeroed). For gmpo, low_it = [Â_i < 0 ∧ d_it < −clip_low]
+and high_it = [Â_i > 0 ∧ d_it > clip_high]: the token's log-space clip is active and its gradient zero.
 """
 
 from __future__ import annotations
