@@ -75,6 +75,7 @@ def test_objective_presets_set_paper_clip_ranges_and_replay():
         ("objective.name=ppo", "objective.name"),
         ("sampler.max_new_tokens=2", "sampler.max_new_tokens"),
         ("trainer.sampler_dtype=bfloat16 trainer.reuse_sampler_logp=true", "trainer.reuse_sampler_logp"),
+        ("objective=gmpo objective.loss_agg=token-mean", "objective.loss_agg"),
     ],
 )
 def test_invalid_config_fails_fast_with_field_name(tmp_path, override, field):
