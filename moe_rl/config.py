@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_rl.models.config import DTYPES, ModelConfig
-from moe_rl.objectives import OBJECTIVES
-from moe_rl.objectives.common import AGGREGATIONS
+from moe_rl.objectives import OBJECTIVES, SPECS
+from moe_rl.objectives.common import AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_IS_MODES
 from moe_rl.rollout.sampler import SamplerConfig
 from moe_rl.tasks import TASKS, make_task
 from moe_rl.trainer.evaluate import EvalConfig
@@ -39,17 +39,34 @@ class ObjectiveConfig:
     """The policy objective and its clip range (GSPO paper's settings in conf/objective/)."""
 
     name: str = "gspo"
-    """Registry key in moe_rl.objectives.OBJECTIVES: grpo, gspo, gspo_token."""
+    """Registry key in moe_rl.objectives.OBJECTIVES: grpo, gspo, gspo_token, cispo, gmpo."""
     preset: str = "gspo"
-    """Label of the preset (grpo, grpo_rr, grpo_r3, gspo, gspo_token) used in tables and W&B."""
+    """Label of the preset (grpo, grpo_rr, grpo_r3, gspo, gspo_token, cispo, gmpo, grpo_dualclip,
+    grpo_tis, ...; see conf/objective/) used in tables and W&B."""
     clip_low: float = 3e-4
-    """Lower clip: ratios below 1 - clip_low are clipped for negative advantages."""
+    """Lower clip: ratios below 1 - clip_low are clipped for negative advantages. cispo: the weight's lower
+    bound 1 - clip_low (1 = none, its paper); gmpo: a log-space bound, log-ratios below -clip_low."""
     clip_high: float = 4e-4
-    """Upper clip: ratios above 1 + clip_high are clipped for positive advantages."""
+    """Upper clip: ratios above 1 + clip_high are clipped for positive advantages. cispo: the weight's upper
+    bound 1 + clip_high; gmpo: a log-space bound, log-ratios above clip_high."""
     loss_agg: str = "seq-mean-token-mean"
-    """Aggregation (grpo only): seq-mean-token-mean, token-mean, seq-mean-token-sum-norm."""
+    """Aggregation (grpo and cispo; the others define seq-mean-token-mean only): seq-mean-token-mean,
+    token-mean, seq-mean-token-sum-norm."""
     beta: float = 0.0
-    """k3 KL penalty to the initial (reference) policy; 0 as in the paper."""
+    """KL penalty to the initial (reference) policy, estimated by kl_estimator; 0 as in the paper."""
+    kl_estimator: str = "k3"
+    """KL estimator of the beta penalty, δ = ref_logp - logp: k1 (-δ), k2 (δ²/2), k3 (exp δ - δ - 1) or
+    low_var_kl (k3 capped at 10, verl's low_var_kl). Read only when beta > 0."""
+    clip_ratio_c: float | None = None
+    """Dual-clip constant c > 1 (grpo, gspo, gspo_token): a negative advantage's loss is capped at c·|Â|
+    (Ye et al. 2020; verl clip_ratio_c, default 3). null = off."""
+    rollout_is: str = "none"
+    """Rollout importance-sampling correction by ρ = π_old / π_sampler: none, token_truncate (TIS),
+    sequence_truncate, token_mask (MIS), sequence_mask. Useful when the sampler differs from the trained
+    model (trainer.sampler_dtype); TRL's vllm_importance_sampling_mode names."""
+    rollout_is_cap: float = 2.0
+    """C > 1 of rollout_is: truncate modes cap ρ at C; mask modes drop tokens or sequences with ρ outside
+    [1/C, C]. Read only when rollout_is is not none."""
     normalize_std: bool = True
     """Divide group advantages by the group std (False = Dr. GRPO)."""
     extreme_band: list[float] = field(default_factory=lambda: [0.5, 2.0])
@@ -204,10 +221,35 @@ class Config:
             raise ValueError(f"objective.name={o.name!r}: expected one of {sorted(OBJECTIVES)}")
         if o.loss_agg not in AGGREGATIONS:
             raise ValueError(f"objective.loss_agg={o.loss_agg!r}: expected one of {sorted(AGGREGATIONS)}")
-        if o.name != "grpo" and o.loss_agg != "seq-mean-token-mean":
-            raise ValueError(f"objective.loss_agg={o.loss_agg!r}: {o.name} uses seq-mean-token-mean only")
-        if not 0 <= o.clip_low < 1:
-            raise ValueError(f"objective.clip_low={o.clip_low}: must be in [0, 1)")
+        spec = SPECS[o.name]
+        if o.loss_agg not in spec.loss_aggs:
+            raise ValueError(
+                f"objective.loss_agg={o.loss_agg!r}: {o.name} defines {', '.join(spec.loss_aggs)} only"
+            )
+        below_one = o.clip_low <= 1 if spec.clip_low_may_be_one else o.clip_low < 1
+        if not (o.clip_low >= 0 and below_one):
+            interval = "[0, 1]" if spec.clip_low_may_be_one else "[0, 1)"
+            raise ValueError(f"objective.clip_low={o.clip_low}: must be in {interval} for {o.name}")
+        if o.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"objective.kl_estimator={o.kl_estimator!r}: expected one of {sorted(KL_ESTIMATORS)}"
+            )
+        if o.clip_ratio_c is not None and not spec.dual_clip:
+            raise ValueError(
+                f"objective.clip_ratio_c={o.clip_ratio_c}: dual-clip caps PPO's min, which {o.name} does not "
+                "have; set it to null"
+            )
+        if o.clip_ratio_c is not None and not o.clip_ratio_c > 1:
+            raise ValueError(f"objective.clip_ratio_c={o.clip_ratio_c}: must be > 1 (or null)")
+        if o.rollout_is not in ROLLOUT_IS_MODES:
+            raise ValueError(f"objective.rollout_is={o.rollout_is!r}: expected one of {ROLLOUT_IS_MODES}")
+        if not o.rollout_is_cap > 1:
+            raise ValueError(f"objective.rollout_is_cap={o.rollout_is_cap}: must be > 1")
+        if o.rollout_is != "none" and self.trainer.reuse_sampler_logp:
+            raise ValueError(
+                f"objective.rollout_is={o.rollout_is!r} corrects old vs sampler log-probs, which "
+                "trainer.reuse_sampler_logp=true makes identical (weight 1): set objective.rollout_is=none"
+            )
         if o.clip_high < 0:
             raise ValueError(f"objective.clip_high={o.clip_high}: must be >= 0")
         if o.beta < 0:

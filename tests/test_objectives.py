@@ -1,5 +1,8 @@
 """Tests for moe_rl.objectives: GRPO, GSPO, GSPO-token against plainly written float64 references.
 
+Tests parametrized over every objective also cover CISPO and GMPO; their own references, dual-clip,
+rollout IS correction and the KL estimators are in test_objectives_extra.py.
+
 Shape legend: B = sequences, T = padded token positions. References loop over valid tokens with scalar
 torch ops and call no library helper, so a shared bug cannot hide.
 """
@@ -14,7 +17,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from moe_rl.objectives import OBJECTIVES, group_advantages
+from moe_rl.objectives import OBJECTIVES, SPECS, group_advantages
 
 NAMES = sorted(OBJECTIVES)
 CLIP = {"clip_low": 0.1, "clip_high": 0.15}  # asymmetric on purpose
@@ -174,10 +177,15 @@ def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)
     for i in rows:
         flags = []
         for k, t in enumerate(valid(mask, i)):
-            rho, a = (r[i][k] if name == "grpo" else s[i]), adv_at(adv, i, t).item()
-            low += a < 0 and rho < 1 - clip_low
-            high += a > 0 and rho > 1 + clip_high
-            flags.append(is_clipped(rho, a, clip_low, clip_high))
+            rho, a = (r[i][k] if name in ("grpo", "cispo") else s[i]), adv_at(adv, i, t).item()
+            if name == "cispo":  # the weight is truncated whatever Â's sign
+                lo, hi = rho < 1 - clip_low, rho > 1 + clip_high
+            elif name == "gmpo":  # each token's log-ratio against the log-space bounds
+                lo, hi = a < 0 and d[i][k] < -clip_low, a > 0 and d[i][k] > clip_high
+            else:
+                lo, hi = a < 0 and rho < 1 - clip_low, a > 0 and rho > 1 + clip_high
+            low, high = low + lo, high + hi
+            flags.append(lo or hi)
         seq_clipped += any(flags)
     n = len(flat_r)
     within_var = [statistics.pvariance(r[i]) for i in rows if len(r[i]) >= 2]
@@ -189,7 +197,7 @@ def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)
         "ratio/token/max": max(flat_r), "ratio/token/min": min(flat_r),
         "ratio/token/extreme_frac": sum(not band[0] <= x <= band[1] for x in flat_r) / n,
         "ratio/seq/mean": statistics.fmean(s.values()), "ratio/seq/var": statistics.pvariance(s.values()),
-        "policy/approx_kl": statistics.fmean(math.exp(-x) + x - 1 for x in flat_d),
+        "policy/approx_kl": statistics.fmean(math.exp(x) - x - 1 for x in flat_d),  # (r - 1) - log r
         "policy/logp_diff/abs_mean": statistics.fmean(abs(x) for x in flat_d),
     }
 
@@ -214,7 +222,11 @@ def test_on_policy_has_ratio_one_and_no_clipping(name):
     """With old == new: ratios are 1, loss = −mean_i Â_i over non-empty sequences, nothing is clipped."""
     logp, _, adv, mask, _ = make_batch(seed=5)
     loss, metrics = OBJECTIVES[name](logp, logp.detach(), adv, mask, **CLIP)
-    assert_close(loss, -adv[mask.any(-1)].mean())
+    if name == "cispo":  # a REINFORCE loss: its value is −agg(Â logp); its gradient is on-policy GRPO's
+        grpo_loss, _ = OBJECTIVES["grpo"](logp, logp.detach(), adv, mask, **CLIP, loss_agg="token-mean")
+        assert_close(grad_of(loss, logp), grad_of(grpo_loss, logp))
+    else:
+        assert_close(loss, -adv[mask.any(-1)].mean())
     for key in ("clip/token_frac", "clip/low_frac", "clip/high_frac", "clip/seq_frac", "ratio/token/var",
                 "ratio/seq/var", "policy/approx_kl", "policy/logp_diff/abs_mean"):
         assert metrics[key] == 0.0, key
@@ -251,7 +263,7 @@ def test_gspo_token_equals_gspo_for_sequence_advantages():
 @pytest.mark.parametrize("name", NAMES)
 def test_masked_tokens_get_exactly_zero_gradient(name):
     """Padded tokens holding NaN/inf get exactly zero gradient, and loss and gradient stay finite."""
-    logp, old, adv, mask, ref = make_batch(seed=8, per_token=name != "gspo")
+    logp, old, adv, mask, ref = make_batch(seed=8, per_token=not SPECS[name].seq_advantages_only)
     loss, metrics = OBJECTIVES[name](logp, old, adv, mask, **CLIP, beta=0.1, ref_logp=ref)
     grad = grad_of(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -369,7 +381,10 @@ def test_unknown_option_raises_type_error(name):
         ("gspo", {"loss_agg": "token-mean"}),
         ("gspo_token", {"loss_agg": "token-mean"}),
         ("gspo", {"advantages": "per-token"}),
-        *[(n, {"clip_low": 1.0}) for n in NAMES],
+        *[(n, {"clip_low": 1.0}) for n in NAMES if not SPECS[n].clip_low_may_be_one],
+        ("cispo", {"clip_low": 1.01}),
+        ("gmpo", {"loss_agg": "token-mean"}),
+        ("gmpo", {"advantages": "per-token"}),
     ],
 )
 def test_invalid_option_values_raise_value_error(name, options):

@@ -79,6 +79,7 @@ def test_objective_presets_set_paper_clip_ranges_and_replay():
         ("routing.drift=1.5", "routing.drift"),
         ("routing.drift=nan", "routing.drift"),
         ("routing.drift_from_minibatch=0", "routing.drift_from_minibatch"),
+        ("objective=gmpo objective.loss_agg=token-mean", "objective.loss_agg"),
     ],
 )
 def test_invalid_config_fails_fast_with_field_name(tmp_path, override, field):

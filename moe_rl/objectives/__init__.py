@@ -1,15 +1,28 @@
-"""Policy objectives for RL of (MoE) language models: GRPO, GSPO and GSPO-token (arXiv 2507.18071).
+r"""Policy objectives for RL of (MoE) language models: GRPO, GSPO and GSPO-token (arXiv 2507.18071),
+CISPO (arXiv 2506.13585) and GMPO (arXiv 2507.20673), with dual-clip, rollout importance-sampling
+correction and a choice of KL estimator as options.
 
 Every objective is a pure function with one signature, so the trainer picks it by name and calls it
 the same way whichever it is:
 
     loss, metrics = OBJECTIVES[name](logp_BT, old_logp_BT, adv_B_or_BT, mask_BT,
                                      clip_low=..., clip_high=..., loss_agg=..., max_len=...,
-                                     beta=..., ref_logp=..., extreme_band=...)
+                                     beta=..., ref_logp=..., extreme_band=..., kl_estimator=...,
+                                     clip_ratio_c=..., sampler_logp=..., rollout_is=..., rollout_is_cap=...)
 
 GRPO and GSPO differ only in the importance ratio they clip: w_it per token (GRPO) or s_i per sequence
-(GSPO). Unknown keywords raise TypeError; values that cannot apply (loss_agg other than
-seq-mean-token-mean for gspo, beta > 0 without ref_logp) raise ValueError.
+(GSPO). GMPO clips each token's log-ratio and then takes the sequence's geometric mean; CISPO clips the
+ratio's weight on a REINFORCE term instead of the surrogate. Unknown keywords raise TypeError; values that
+cannot apply (loss_agg other than seq-mean-token-mean for gspo or gmpo, beta > 0 without ref_logp, a
+dual-clip constant for cispo or gmpo, rollout_is without sampler_logp) raise ValueError. `SPECS` states
+per objective which options apply, for start-up validation of the config.
+
+Options every objective takes (see common.py): `kl_estimator` ∈ {k1, k2, k3, low_var_kl} picks the
+penalty kl(logp, ref) in `beta · agg(kl)`, with δ = ref_logp − logp: k1 = −δ, k2 = δ²/2,
+k3 = exp(δ) − δ − 1, low_var_kl = min(k3, 10). `rollout_is` ∈ {none, token_truncate, token_mask,
+sequence_truncate, sequence_mask} multiplies each token's loss by ω = a function of
+ρ = π_old / π_sampler (see `common.rollout_is_weight`), capped at `rollout_is_cap` (truncate) or zero
+outside [1/cap, cap] (mask). `clip_ratio_c` (grpo, gspo, gspo_token) is dual-clip's c.
 
 ## Metrics
 
@@ -34,18 +47,29 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `ratio/token/extreme_frac` | 1/N Σ [r_it < lo ∨ r_it > hi], (lo, hi) = extreme_band, default (0.5, 2) |
 | `ratio/seq/mean` | 1/B' Σ_i s_i |
 | `ratio/seq/var` | 1/B' Σ_i (s_i − mean s)² |
-| `policy/approx_kl` | 1/N Σ exp(−d_it) + d_it − 1 (k3 of old vs new, d clamped to ±20) |
+| `policy/approx_kl` | 1/N Σ exp(d_it) − d_it − 1 = (r − 1) − log r, r = π_θ/π_old: the unbiased k3 estimate of KL(π_old ‖ π_θ) on samples from π_old (cleanrl, TRL); d clamped to ±20 |
 | `policy/logp_diff/abs_mean` | 1/N Σ abs(d_it) (not clamped) |
-| `policy/ref_kl` | beta > 0 only: agg(exp(δ_it) − δ_it − 1), δ = ref_logp − logp; the penalty before beta |
+| `policy/ref_kl` | beta > 0 only: agg(kl_it) with the chosen `kl_estimator` (default k3 = exp(δ_it) − δ_it − 1), δ = ref_logp − logp; the penalty before beta |
+| `clip/dual_frac` | clip_ratio_c set only: 1/N Σ [Â_it < 0 ∧ ρ_it > c], tokens whose loss dual-clip caps at c·\|Â_it\| (zero gradient); not counted in `clip/token_frac` |
+| `rollout_is/mean`, `rollout_is/max` | rollout_is ≠ none only: 1/N Σ q_it and max q_it of the sampler correction q_it = exp(clamp(old_logp_it − sampler_logp_it, ±20)) before truncation or masking; sequence modes use q_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) at each of the sequence's tokens |
+| `rollout_is/clipped_frac` | *_truncate only: 1/N Σ [q_it > cap] |
+| `rollout_is/masked_frac` | *_mask only: 1/N Σ [q_it ∉ [1/cap, cap]] (tokens, or every token of a masked sequence) |
+
+For cispo, low_it = [r_it < 1 − clip_low] and high_it = [r_it > 1 + clip_high] whatever Â's sign: the
+weight is truncated (its gradient scaled, not zeroed). For gmpo, low_it = [Â_i < 0 ∧ d_it < −clip_low]
+and high_it = [Â_i > 0 ∧ d_it > clip_high]: the token's log-space clip is active and its gradient zero.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from torch import Tensor
 
-from moe_rl.objectives.common import group_advantages
+from moe_rl.objectives.cispo import cispo
+from moe_rl.objectives.common import AGGREGATIONS, SEQ_MEAN_TOKEN_MEAN, group_advantages
+from moe_rl.objectives.gmpo import gmpo
 from moe_rl.objectives.grpo import grpo
 from moe_rl.objectives.gspo import gspo, gspo_token
 
@@ -67,9 +91,46 @@ class Objective(Protocol):
         beta: float = ...,
         ref_logp: Tensor | None = ...,
         extreme_band: tuple[float, float] = ...,
+        kl_estimator: str = ...,
+        clip_ratio_c: float | None = ...,
+        sampler_logp: Tensor | None = ...,
+        rollout_is: str = ...,
+        rollout_is_cap: float = ...,
     ) -> tuple[Tensor, dict[str, float]]: ...
 
 
-OBJECTIVES: dict[str, Objective] = {"grpo": grpo, "gspo": gspo, "gspo_token": gspo_token}
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """Which options an objective gives a meaning to (the functions raise on the rest; config reads it)."""
 
-__all__ = ["OBJECTIVES", "Objective", "group_advantages", "grpo", "gspo", "gspo_token"]
+    loss_aggs: tuple[str, ...]
+    """The loss_agg values it defines (a per-sequence loss has only seq-mean-token-mean)."""
+    dual_clip: bool
+    """Whether clip_ratio_c applies (PPO's min is there to cap)."""
+    seq_advantages_only: bool
+    """Whether advantages must be [B] (the trainer's are)."""
+    clip_low_may_be_one: bool
+    """Whether clip_low = 1 (no lower bound) is allowed."""
+
+
+_ALL_AGGS = tuple(AGGREGATIONS)
+_SEQ = (SEQ_MEAN_TOKEN_MEAN,)
+SPECS: dict[str, ObjectiveSpec] = {
+    "grpo": ObjectiveSpec(loss_aggs=_ALL_AGGS, dual_clip=True, seq_advantages_only=False,
+                          clip_low_may_be_one=False),
+    "gspo": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=True, seq_advantages_only=True,
+                          clip_low_may_be_one=False),
+    "gspo_token": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=True, seq_advantages_only=False,
+                                clip_low_may_be_one=False),
+    "cispo": ObjectiveSpec(loss_aggs=_ALL_AGGS, dual_clip=False, seq_advantages_only=False,
+                           clip_low_may_be_one=True),
+    "gmpo": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=False, seq_advantages_only=True,
+                          clip_low_may_be_one=False),
+}
+
+OBJECTIVES: dict[str, Objective] = {
+    "grpo": grpo, "gspo": gspo, "gspo_token": gspo_token, "cispo": cispo, "gmpo": gmpo,
+}
+
+__all__ = ["OBJECTIVES", "SPECS", "Objective", "ObjectiveSpec", "cispo", "gmpo", "group_advantages", "grpo",
+           "gspo", "gspo_token"]

@@ -50,17 +50,50 @@ def prepare(
 
 
 def check_options(
-    clip_low: float, clip_high: float, beta: float, ref_logp: Tensor | None, extreme_band: tuple[float, float]
+    clip_low: float,
+    clip_high: float,
+    beta: float,
+    ref_logp: Tensor | None,
+    extreme_band: tuple[float, float],
+    allow_no_lower_clip: bool = False,
 ) -> None:
-    """Raise ValueError on options that cannot mean what the caller intends."""
-    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low=}, {clip_high=}")
+    """Raise ValueError on options that cannot mean what the caller intends.
+
+    clip_low must lie in [0, 1); with allow_no_lower_clip (CISPO), clip_low = 1 is also accepted and means
+    "no lower bound", the CISPO paper's choice (a ratio is never below 0)."""
+    top_ok = clip_low <= 1.0 if allow_no_lower_clip else clip_low < 1.0
+    if not (0.0 <= clip_low and top_ok and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low {'<=' if allow_no_lower_clip else '<'} 1 and clip_high >= 0, "
+                         f"got {clip_low=}, {clip_high=}")
     if beta < 0.0:
         raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0.0 and ref_logp is None:
         raise ValueError(f"beta={beta} > 0 needs ref_logp, the reference policy's [B, T] log-probs")
     if not 0.0 <= extreme_band[0] < extreme_band[1]:
         raise ValueError(f"extreme_band must be (lo, hi) with 0 <= lo < hi, got {extreme_band}")
+
+
+def check_corrections(
+    mask: Tensor,
+    kl_estimator: str,
+    clip_ratio_c: float | None,
+    sampler_logp: Tensor | None,
+    rollout_is: str,
+    rollout_is_cap: float,
+) -> None:
+    """Raise ValueError on a KL estimator, dual-clip constant or rollout-IS setting that cannot apply."""
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip caps at c·|A|), got {clip_ratio_c}")
+    if rollout_is not in ROLLOUT_IS_MODES:
+        raise ValueError(f"unknown rollout_is {rollout_is!r}; choose one of {ROLLOUT_IS_MODES}")
+    if rollout_is != "none" and not rollout_is_cap > 1.0:
+        raise ValueError(f"rollout_is_cap must be > 1, got {rollout_is_cap}")
+    if rollout_is != "none" and (sampler_logp is None or sampler_logp.shape != mask.shape):
+        got = None if sampler_logp is None else list(sampler_logp.shape)
+        raise ValueError(f"rollout_is={rollout_is!r} needs sampler_logp, the sampler's [B, T] = "
+                         f"{list(mask.shape)} log-probs, got {got}")
 
 
 def seq_mean(x_B: Tensor, mask_BT: Tensor) -> Tensor:
@@ -110,9 +143,18 @@ def seq_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tens
     return mean_B.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
-def clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
-    """−min(ρ·A, clip(ρ, 1 − clip_low, 1 + clip_high)·A), elementwise (PPO's pessimistic bound)."""
-    return -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+def clipped_surrogate(
+    ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float, clip_ratio_c: float | None = None
+) -> Tensor:
+    """−min(ρ·A, clip(ρ, 1 − clip_low, 1 + clip_high)·A), elementwise (PPO's pessimistic bound).
+
+    With dual-clip (Ye et al. 2020, arXiv 1912.09729, Eq. 6; verl `clip_ratio_c`), a negative advantage's
+    loss is also capped at c·|A|: ℓ = min(ℓ, −c·A) where A < 0, so a ratio far above 1 on a bad token
+    cannot produce an unbounded loss (its gradient is then zero)."""
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    if clip_ratio_c is None:
+        return loss
+    return torch.where(adv < 0, torch.minimum(loss, -clip_ratio_c * adv), loss)
 
 
 def k3(logp_BT: Tensor, other_logp_BT: Tensor) -> Tensor:
@@ -121,14 +163,73 @@ def k3(logp_BT: Tensor, other_logp_BT: Tensor) -> Tensor:
     return torch.exp(delta_BT) - delta_BT - 1.0
 
 
+LOW_VAR_KL_CAP = 10.0
+"""low_var_kl caps k3 at 10 per token (verl's `low_var_kl`, which verl also calls `k3`)."""
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    # Schulman, "Approximating KL divergence" (2020); δ = ref_logp − logp, samples from π_θ.
+    "k1": lambda logp, ref: logp - ref,  # −δ: unbiased, can be negative
+    "k2": lambda logp, ref: 0.5 * (logp - ref).square(),  # δ²/2: biased, ≥ 0, gradient of KL's 2nd order
+    "k3": k3,  # exp(δ) − δ − 1: unbiased, ≥ 0
+    "low_var_kl": lambda logp, ref: k3(logp, ref).clamp(max=LOW_VAR_KL_CAP),
+}
+
+
 def kl_penalty(
-    logp_BT: Tensor, ref_logp_BT: Tensor | None, mask_BT: Tensor, beta: float, aggregate: Aggregate
+    logp_BT: Tensor,
+    ref_logp_BT: Tensor | None,
+    mask_BT: Tensor,
+    beta: float,
+    aggregate: Aggregate,
+    estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, float]]:
-    """beta · agg(k3(logp, ref_logp)) and its `policy/ref_kl` metric; nothing at all when beta == 0."""
+    """beta · agg(kl(logp, ref_logp)) and its `policy/ref_kl` metric; nothing at all when beta == 0.
+
+    `estimator` picks kl from KL_ESTIMATORS (k1, k2, k3, low_var_kl); the default k3 is the GRPO paper's."""
     if beta == 0.0 or ref_logp_BT is None:
         return logp_BT.new_zeros(()), {}
-    kl = aggregate(torch.where(mask_BT, k3(logp_BT, ref_logp_BT), 0.0), mask_BT)
+    kl = aggregate(torch.where(mask_BT, KL_ESTIMATORS[estimator](logp_BT, ref_logp_BT), 0.0), mask_BT)
     return beta * kl, {"policy/ref_kl": kl.item()}
+
+
+ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+"""Rollout importance-sampling correction modes; the names are TRL's `vllm_importance_sampling_mode`."""
+
+
+def rollout_is_weight(
+    old_logp_BT: Tensor, sampler_logp: Tensor | None, mask_BT: Tensor, mode: str, cap: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Weight ω on each token's loss correcting for sampler/trainer mismatch, and its `rollout_is/*` metrics.
+
+        token modes:     ρ_it = exp(clamp(old_logp_it − sampler_logp_it, ±LOG_RATIO_BOUND))
+        sequence modes:  ρ_i  = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±LOG_RATIO_BOUND)), all t
+        *_truncate (TIS, Yao et al. 2025):  ω = min(ρ, cap)
+        *_mask     (MIS):                   ω = ρ · [1/cap ≤ ρ ≤ cap]   (tokens or sequences dropped)
+
+    As in TRL, the weight multiplies the objective's per-token loss after its clip, before aggregation,
+    and a masked token still counts in the aggregation's denominator (verl's rejection sampling removes
+    it from the mask instead). ω carries no gradient: both log-probs are constants of the step. Mode
+    "none" returns ω = 1 (0 at padding, as every mode) and no metrics. Metrics (float64, over valid
+    tokens; sequence modes count each token of a sequence with that sequence's ρ_i): `rollout_is/mean`
+    and `rollout_is/max` of ρ before truncation or masking, `rollout_is/clipped_frac` (truncate modes)
+    1/N Σ [ρ > cap], `rollout_is/masked_frac` (mask modes) 1/N Σ [ρ ∉ [1/cap, cap]].
+    """
+    if mode == "none":
+        return mask_BT.to(old_logp_BT.dtype), {}
+    assert sampler_logp is not None  # check_options guarantees it
+    diff_BT = torch.where(mask_BT, old_logp_BT - sampler_logp.to(old_logp_BT.dtype), 0.0)
+    if mode.startswith("sequence"):
+        diff_BT = diff_BT.sum(-1, keepdim=True).expand_as(diff_BT)
+    rho_BT = diff_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp().detach()
+    outside_BT = (rho_BT > cap) if mode.endswith("truncate") else (rho_BT < 1.0 / cap) | (rho_BT > cap)
+    weight_BT = rho_BT.clamp(max=cap) if mode.endswith("truncate") else torch.where(outside_BT, 0.0, rho_BT)
+    rho_N = rho_BT[mask_BT].double()
+    frac_key = "rollout_is/clipped_frac" if mode.endswith("truncate") else "rollout_is/masked_frac"
+    return torch.where(mask_BT, weight_BT, 0.0), _floats({
+        "rollout_is/mean": rho_N.mean(),
+        "rollout_is/max": rho_N.max() if rho_N.numel() else rho_N.new_tensor(float("nan")),
+        frac_key: outside_BT[mask_BT].double().mean(),
+    })
 
 
 def _floats(metrics: dict[str, Tensor]) -> dict[str, float]:
@@ -143,6 +244,12 @@ def clip_metrics(
     """Fractions of valid tokens (and of non-empty sequences) whose clip is active, i.e. zero gradient."""
     low_BT = mask_BT & (adv_BT < 0) & (ratio_BT < 1.0 - clip_low)
     high_BT = mask_BT & (adv_BT > 0) & (ratio_BT > 1.0 + clip_high)
+    return clip_fracs(low_BT, high_BT, mask_BT)
+
+
+@torch.no_grad()
+def clip_fracs(low_BT: Tensor, high_BT: Tensor, mask_BT: Tensor) -> dict[str, float]:
+    """The four `clip/*` fractions from [B, T] bool masks of tokens clipped at the low and high bound."""
     clipped_BT = low_BT | high_BT
     return _floats({
         "clip/token_frac": clipped_BT[mask_BT].double().mean(),
@@ -150,6 +257,17 @@ def clip_metrics(
         "clip/high_frac": high_BT[mask_BT].double().mean(),
         "clip/seq_frac": clipped_BT.any(-1)[mask_BT.any(-1)].double().mean(),
     })
+
+
+@torch.no_grad()
+def dual_clip_metrics(
+    ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, clip_ratio_c: float | None
+) -> dict[str, float]:
+    """`clip/dual_frac`: fraction of valid tokens whose dual-clip cap is active (Â < 0, ρ > c); {} if off."""
+    if clip_ratio_c is None:
+        return {}
+    capped_BT = mask_BT & (adv_BT < 0) & (ratio_BT > clip_ratio_c)
+    return _floats({"clip/dual_frac": capped_BT[mask_BT].double().mean()})
 
 
 @torch.no_grad()
@@ -177,7 +295,9 @@ def ratio_metrics(
         "ratio/token/extreme_frac": extreme_N.double().mean(),
         "ratio/seq/mean": s_B.mean(),
         "ratio/seq/var": (s_B - s_B.mean()).square().mean(),
-        "policy/approx_kl": k3(logp_BT, old_logp_BT)[mask_BT].mean(),
+        # KL(π_old ‖ π_θ) on samples from π_old, unbiased: (r − 1) − log r with r = π_θ / π_old (as cleanrl
+        # and TRL); k3(new, old) would estimate the other direction, agreeing only to second order.
+        "policy/approx_kl": k3(old_logp_BT, logp_BT)[mask_BT].mean(),
         "policy/logp_diff/abs_mean": diff_BT.abs()[mask_BT].mean(),
     })
 

@@ -17,7 +17,8 @@ log the same quantity:
 | `rollout/accuracy` | fraction of completions with reward 1 |
 | `rollout/response_len/mean` | response tokens (EOS included) |
 | `rollout/entropy/mean` | mean entropy (nats) of the sampler's token distributions softmax(logits / T) |
-| `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches |
+| `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches; `clip/dual_frac` only with `objective.clip_ratio_c` |
+| `rollout_is/mean`, `rollout_is/max`, `rollout_is/clipped_frac`, `rollout_is/masked_frac` | with `objective.rollout_is` only: the sampler correction ρ = π_old / π_sampler before truncation (mean, max) and the fraction of tokens truncated (`*_truncate`) or masked (`*_mask`); formulas in moe_rl.objectives |
 | `train/loss`, `train/grad_norm` | mean over mini-batches (grad norm before clipping) |
 | `train/lr` | learning rate after the step |
 | `train/aux_loss` | the family's load-balancing loss of the update forward, mean over mini-batches (only when `model.router_aux_loss_coef` > 0; the loss adds coef x this) |

@@ -253,6 +253,10 @@ TOKEN_MEANS = frozenset(
         "policy/approx_kl",
         "policy/logp_diff/abs_mean",
         "mismatch/logp_abs_diff/mean",
+        "clip/dual_frac",
+        "rollout_is/mean",
+        "rollout_is/clipped_frac",
+        "rollout_is/masked_frac",
     }
 )
 """Metrics that are means over response tokens (the objectives' 1/N rows); reduced weighted by tokens."""

@@ -302,6 +302,11 @@ def _update(
         beta=o.beta,
         ref_logp=ref_logp,
         extreme_band=tuple(o.extreme_band),
+        kl_estimator=o.kl_estimator,
+        clip_ratio_c=o.clip_ratio_c,
+        sampler_logp=batch.sampler_logp_BR[sl],
+        rollout_is=o.rollout_is,
+        rollout_is_cap=o.rollout_is_cap,
     )
     if aux_loss is not None:  # the family's load-balancing loss (model.router_aux_loss_coef > 0)
         loss = loss + aux_coef * aux_loss

@@ -1,0 +1,192 @@
+"""Mutation check of the objectives added in issue 16: plant one bug at a time, see the tests catch it.
+
+    python experiments/mutation_objectives.py            # all mutants, ~10 min on 1 CPU core
+    python experiments/mutation_objectives.py gmpo dual  # only mutants whose name contains a word
+
+Each mutant is one textual edit of moe_rl/ (a wrong sign, a missing stop-gradient, a mean for a sum, a
+dropped check) applied to a throw-away copy of the tracked files; the objective tests then run in that
+copy (`pytest -x`), which puts the copy's moe_rl first on sys.path. A mutant is caught when the tests
+fail. The script exits 1 if any mutant survives, naming it, and never edits the working tree.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_objectives.py", "tests/test_objectives_extra.py"]
+OBJ = "moe_rl/objectives/"
+
+# (name, file, original text, mutated text); the original must occur exactly once.
+MUTANTS = [
+    ("cispo: ratio not stop-gradient", OBJ + "cispo.py", "LOG_RATIO_BOUND)).detach()", "LOG_RATIO_BOUND))"),
+    (
+        "cispo: clip bounds swapped",
+        OBJ + "cispo.py",
+        "r_BT.clamp(1.0 - clip_low, 1.0 + clip_high)",
+        "r_BT.clamp(1.0 - clip_high, 1.0 + clip_low)",
+    ),
+    (
+        "cispo: clip metric counts advantage sign",
+        OBJ + "cispo.py",
+        "mask_BT & (r_BT > 1.0 + clip_high)",
+        "mask_BT & (r_BT > 1.0 + clip_high) & (adv_BT > 0)",
+    ),
+    (
+        "gmpo: advantage sign ignored in the clip",
+        OBJ + "gmpo.py",
+        "sign_BT * torch.minimum(sign_BT * d_BT, sign_BT * d_BT.clamp(-clip_low, clip_high))",
+        "torch.minimum(d_BT, d_BT.clamp(-clip_low, clip_high))",
+    ),
+    (
+        "gmpo: arithmetic mean of ratios",
+        OBJ + "gmpo.py",
+        "rho_B = torch.exp(torch.where(mask_BT, d_hat_BT, 0.0).sum(-1)",
+        "rho_B = (torch.where(mask_BT, d_hat_BT.exp(), 0.0).sum(-1)",
+    ),
+    (
+        "gmpo: clip bounds swapped",
+        OBJ + "gmpo.py",
+        "d_BT.clamp(-clip_low, clip_high)",
+        "d_BT.clamp(-clip_high, clip_low)",
+    ),
+    ("gmpo: IS weight not applied", OBJ + "gmpo.py", "-rho_B * adv_B * is_B", "-rho_B * adv_B"),
+    (
+        "dual-clip: max instead of min",
+        OBJ + "common.py",
+        "torch.minimum(loss, -clip_ratio_c * adv)",
+        "torch.maximum(loss, -clip_ratio_c * adv)",
+    ),
+    (
+        "dual-clip: applied to positive advantages",
+        OBJ + "common.py",
+        "torch.where(adv < 0, torch.minimum(loss",
+        "torch.where(adv > 0, torch.minimum(loss",
+    ),
+    (
+        "dual-clip metric: threshold off by one",
+        OBJ + "common.py",
+        "(ratio_BT > clip_ratio_c)",
+        "(ratio_BT > 1.0 + clip_ratio_c)",
+    ),
+    (
+        "rollout IS: ratio inverted",
+        OBJ + "common.py",
+        "old_logp_BT - sampler_logp.to(old_logp_BT.dtype)",
+        "sampler_logp.to(old_logp_BT.dtype) - old_logp_BT",
+    ),
+    (
+        "rollout IS: sequence mean instead of sum",
+        OBJ + "common.py",
+        "diff_BT.sum(-1, keepdim=True)",
+        "diff_BT.mean(-1, keepdim=True)",
+    ),
+    (
+        "rollout IS: mask keeps low ratios",
+        OBJ + "common.py",
+        "(rho_BT < 1.0 / cap) | (rho_BT > cap)",
+        "(rho_BT > cap)",
+    ),
+    (
+        "rollout IS: metrics after truncation",
+        OBJ + "common.py",
+        "rho_N = rho_BT[mask_BT].double()",
+        "rho_N = weight_BT[mask_BT].double()",
+    ),
+    (
+        "rollout IS: grpo ignores the weight",
+        OBJ + "grpo.py",
+        "torch.where(mask_BT, loss_BT * is_BT, 0.0)",
+        "torch.where(mask_BT, loss_BT, 0.0)",
+    ),
+    (
+        "rollout IS: gspo weight as max",
+        OBJ + "gspo.py",
+        "is_B = is_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)",
+        "is_B = is_BT.amax(-1)",
+    ),
+    (
+        "rollout IS: missing sampler_logp accepted",
+        OBJ + "common.py",
+        'if rollout_is != "none" and (sampler_logp is None or',
+        'if rollout_is == "never" and (sampler_logp is None or',
+    ),
+    (
+        "kl: k1 sign",
+        OBJ + "common.py",
+        '"k1": lambda logp, ref: logp - ref',
+        '"k1": lambda logp, ref: ref - logp',
+    ),
+    ("kl: k2 without 1/2", OBJ + "common.py", "0.5 * (logp - ref).square()", "(logp - ref).square()"),
+    (
+        "kl: low_var_kl uncapped",
+        OBJ + "common.py",
+        "k3(logp, ref).clamp(max=LOW_VAR_KL_CAP)",
+        "k3(logp, ref)",
+    ),
+    (
+        "kl: estimator ignored",
+        OBJ + "common.py",
+        "KL_ESTIMATORS[estimator](logp_BT",
+        'KL_ESTIMATORS["k3"](logp_BT',
+    ),
+    (
+        "config: gmpo accepts token-mean",
+        "moe_rl/config.py",
+        "if o.loss_agg not in spec.loss_aggs:",
+        "if o.loss_agg not in AGGREGATIONS:",
+    ),
+    (
+        "config: dual-clip accepted on cispo",
+        "moe_rl/config.py",
+        "if o.clip_ratio_c is not None and not spec.dual_clip:",
+        "if o.clip_ratio_c is not None and False:",
+    ),
+]
+
+
+def run_mutant(name: str, path: str, old: str, new: str) -> tuple[bool, float]:
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    with tempfile.TemporaryDirectory() as tmp:
+        for rel in files:
+            if rel.startswith(("moe_rl/", "tests/", "conf/")) or rel == "pyproject.toml":
+                dst = Path(tmp) / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes((ROOT / rel).read_bytes())
+        target = Path(tmp) / path
+        text = target.read_text()
+        assert text.count(old) == 1, f"{name}: expected one occurrence of {old!r} in {path}"
+        target.write_text(text.replace(old, new))
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        return proc.returncode != 0, time.perf_counter() - t0
+
+
+def main() -> int:
+    words = sys.argv[1:]
+    chosen = [m for m in MUTANTS if not words or any(w in m[0] for w in words)]
+    survivors = []
+    for name, path, old, new in chosen:
+        caught, seconds = run_mutant(name, path, old, new)
+        print(f"{'caught  ' if caught else 'SURVIVED'} {seconds:6.1f} s  {name}", flush=True)
+        if not caught:
+            survivors.append(name)
+    print(f"{len(chosen) - len(survivors)}/{len(chosen)} mutants caught")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
