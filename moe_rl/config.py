@@ -27,7 +27,8 @@ class TaskConfig:
     name: str = "arithmetic"
     """One of moe_rl.tasks.TASKS: arithmetic, sort, countdown."""
     difficulty: int = 1
-    """The task's knob: operand digits (arithmetic), items (sort), numbers (countdown)."""
+    """The task's knob: operand digits (arithmetic), items (sort), numbers (countdown). The preset
+    task=sort_long is sort at 16 items: 31-character answers, 32 response tokens with EOS."""
     chat_template: bool = False
     """Wrap each prompt as one user turn in the tokenizer's chat template (pretrained chat models); the
     run stops with an error if the tokenizer has none. Needs warmstart.enabled=false."""
