@@ -10,8 +10,8 @@ from test_routing import _reference_block
 from test_train import TINY, _comparable, _read_metrics, compose_config
 
 from moe_rl.models import ModelConfig, build_model
-from moe_rl.routing import RoutingController
 from moe_rl.rollout import sample
+from moe_rl.routing import RoutingController
 from moe_rl.trainer.distributed import param_checksum
 from moe_rl.trainer.precision import MASTER_KEY, MasterAdamW, make_optimizer
 from moe_rl.trainer.run import _context, train
@@ -115,7 +115,11 @@ def test_master_adamw_equals_float32_adamw_and_rounds_into_the_model():
     ref_params = [torch.nn.Parameter(p.detach().float().clone()) for p in model_params]
     start = [p.detach().clone() for p in model_params]
     kw = dict(lr=1e-4, weight_decay=0.0)
-    master, ref, plain = MasterAdamW(model_params, **kw), torch.optim.AdamW(ref_params, **kw), torch.optim.AdamW(plain_params, **kw)
+    master, ref, plain = (
+        MasterAdamW(model_params, **kw),
+        torch.optim.AdamW(ref_params, **kw),
+        torch.optim.AdamW(plain_params, **kw),
+    )
     for grads in _grads(50):
         for opt, params in ((master, model_params), (ref, ref_params), (plain, plain_params)):
             for p, g in zip(params, grads, strict=True):
@@ -167,7 +171,13 @@ def test_bf16_warm_started_run_end_to_end(tmp_path):
     """A bfloat16 run warm-starts in bfloat16, samples, and takes RL steps with old-policy replay: finite
     losses, no expert change on the on-policy mini-batch, the trained parameters stay bfloat16 and move,
     and the same seed reproduces the run's metrics exactly."""
-    overrides = [*BF16, *WARM, f"warmstart.cache_dir={tmp_path / 'ws'}", "objective=grpo_rr", "trainer.lr=1e-3"]
+    overrides = [
+        *BF16,
+        *WARM,
+        f"warmstart.cache_dir={tmp_path / 'ws'}",
+        "objective=grpo_rr",
+        "trainer.lr=1e-3",
+    ]
     cfg = compose_config(overrides)
     first = train(cfg, tmp_path / "a")
     second = train(cfg, tmp_path / "b")
@@ -186,8 +196,15 @@ def test_bf16_warm_started_run_end_to_end(tmp_path):
 def test_bf16_resume_matches_uninterrupted_run(tmp_path):
     """A bfloat16 run stopped after 1 step and resumed to 3 logs the same metrics as a 3-step run: the
     checkpoint restores the float32 master weights, not only their bfloat16 rounding."""
-    overrides = [*BF16, *WARM, f"warmstart.cache_dir={tmp_path / 'ws'}", "objective=grpo", "trainer.lr=1e-3",
-                 "trainer.steps=3", "trainer.checkpoint_every=1"]
+    overrides = [
+        *BF16,
+        *WARM,
+        f"warmstart.cache_dir={tmp_path / 'ws'}",
+        "objective=grpo",
+        "trainer.lr=1e-3",
+        "trainer.steps=3",
+        "trainer.checkpoint_every=1",
+    ]
     full = compose_config(overrides)
     train(full, tmp_path / "full")
     train(compose_config([*overrides, "trainer.steps=1"]), tmp_path / "cut")

@@ -6,7 +6,7 @@ import random
 import pytest
 from test_train import compose_config
 
-from moe_rl.tasks import Example, make_task
+from moe_rl.tasks import make_task
 
 
 @pytest.fixture(scope="module")
