@@ -28,7 +28,8 @@ class TaskConfig:
     name: str = "arithmetic"
     """One of moe_rl.tasks.TASKS: arithmetic, sort, countdown."""
     difficulty: int = 1
-    """The task's knob: operand digits (arithmetic), items (sort), numbers (countdown)."""
+    """The task's knob: operand digits (arithmetic), items (sort), numbers (countdown). The preset
+    task=sort_long is sort at 16 items: 31-character answers, 32 response tokens with EOS."""
     chat_template: bool = False
     """Wrap each prompt as one user turn in the tokenizer's chat template (pretrained chat models); the
     run stops with an error if the tokenizer has none. Needs warmstart.enabled=false."""
@@ -126,6 +127,12 @@ class TrainerConfig:
     parallel: str = "ddp"
     """Under torchrun with several processes: ddp (each rank holds the whole model; gradients are
     all-reduced) or fsdp (FSDP2: parameters, gradients and optimizer state sharded over ranks)."""
+    master_weights: bool = True
+    """With a bfloat16/float16 model (model.dtype), AdamW updates float32 master copies of the parameters
+    and rounds them back into the model after each step (moe_rl/trainer/precision.py), as mixed-precision
+    trainers do; false updates the low-precision parameters in place, which rounds away every step below
+    half a unit in the last place (most of them at lr <= 1e-4). No effect on float32/float64 models. Not
+    available under FSDP (set false there)."""
     dist_timeout_s: int = 300
     """Seconds a collective waits for the other ranks before the job fails (a dead or hung rank)."""
     reuse_sampler_logp: bool = False

@@ -50,7 +50,9 @@ class ModelConfig:
     attn_impl: str = "sdpa"
     """transformers attention implementation: sdpa or eager."""
     dtype: str = "float32"
-    """Parameter dtype."""
+    """Parameter and compute dtype of every forward (warm start, sampler, old policy, update). bfloat16 is a
+    supported trainer setting on CPU and GPU: routing record/replay stay bitwise exact in it, and the
+    optimizer keeps float32 master weights unless trainer.master_weights=false."""
     seed: int = 0
     """Seed of the random initial weights."""
     gradient_checkpointing: bool = False

@@ -1,0 +1,87 @@
+"""Low-precision training: AdamW on float32 master copies of bfloat16 (or float16) parameters.
+
+Why: with the parameters themselves in bfloat16 (8 mantissa bits), an AdamW step of size ~lr is rounded
+away whenever it is below half a unit in the last place of the weight: at lr = 1e-4 every weight of
+magnitude above ~0.05 (norm gains at 1.0, most embeddings) never moves, and at lr = 1e-6 (the pretrained
+presets) almost nothing does. Mixed-precision trainers (Megatron, the GSPO paper's setting) therefore keep
+float32 master weights: forwards and backwards run in bfloat16, the optimizer updates the float32 copy,
+and the copy is rounded back into the model after every step.
+
+`MasterAdamW` does exactly that and nothing else: its master parameters and AdamW state are float32, its
+`step` copies each bfloat16 gradient into the master's gradient, takes a `torch.optim.AdamW` step, and
+writes the rounded master back. Its state dict carries the master weights, so a resumed run continues
+from the float32 values rather than from their rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+"""Parameter dtypes that get float32 master weights under trainer.master_weights=true."""
+
+MASTER_KEY = "master_params"
+"""Key of the float32 master weights in `MasterAdamW.state_dict()`."""
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """AdamW whose parameters are float32 copies of the model's (possibly low-precision) parameters.
+
+    The scheduler, `param_groups` and `state` are those of the float32 copies; `zero_grad` also clears the
+    model's gradients. Parameters already in float32 get a master that is a copy of them, so the update is
+    the same as plain AdamW's.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], **kwargs: Any) -> None:
+        self.model_params = [p for p in params if p.requires_grad]
+        masters = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+        super().__init__(masters, **kwargs)
+
+    @property
+    def master_params(self) -> list[torch.Tensor]:
+        """The float32 master weights, in the order of `model_params`."""
+        return self.param_groups[0]["params"]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Copy gradients to the masters (float32), step AdamW on them, round the masters into the model."""
+        assert closure is None, "MasterAdamW takes no closure"
+        for p, m in zip(self.model_params, self.master_params, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        super().step()
+        for p, m in zip(self.model_params, self.master_params, strict=True):
+            p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the masters' and the model's gradients."""
+        super().zero_grad(set_to_none=set_to_none)
+        for p in self.model_params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's state dict plus the float32 master weights under `MASTER_KEY`."""
+        sd = super().state_dict()
+        sd[MASTER_KEY] = [m.detach().clone() for m in self.master_params]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore AdamW's state and the master weights (and round them into the model)."""
+        state_dict = dict(state_dict)
+        masters = state_dict.pop(MASTER_KEY)
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for p, m, saved in zip(self.model_params, self.master_params, masters, strict=True):
+                m.copy_(saved)
+                p.copy_(m)
+
+
+def make_optimizer(
+    params: Iterable[torch.nn.Parameter], dtype: torch.dtype, master_weights: bool, **kwargs: Any
+) -> torch.optim.AdamW:
+    """`MasterAdamW` for a low-precision model when `master_weights`, else plain AdamW on the parameters."""
+    if master_weights and dtype in LOW_PRECISION:
+        return MasterAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
