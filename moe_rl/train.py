@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.config import Config
+from moe_rl.errors import one_line
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -73,7 +74,12 @@ def main(cfg: DictConfig) -> float:
     except Exception as err:
         if sweeping:
             record_failure(run_dir, err)
-        raise
+            raise
+        message = one_line(err)  # a corrupt checkpoint, a refused resume, a full disk: no traceback
+        if message is None:
+            raise
+        print(f"moe-rl-train: {message}", file=sys.stderr)
+        sys.exit(1)
     return summary["final"].get("rollout/reward/mean", float("nan"))
 
 
