@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         missing = [str(d) for d in args.sweep_dirs if not d.is_dir()]
         if missing:
-            raise SystemExit(f"moe-rl-analyze: no such folder: {', '.join(missing)}")
+            raise SystemExit(f"moe-rl-analyze: {', '.join(missing)}: no such folder")
         runs = load_local(args.sweep_dirs, progress=progress)
         sources = [str(d) for d in args.sweep_dirs]
     if not runs:
