@@ -222,3 +222,80 @@ def test_invalid_config_raises_naming_the_field(tmp_path, field, value):
     with pytest.raises(ValueError, match=rf"warmstart\.{field}"):
         warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
     assert not (tmp_path / "cache").exists()
+
+
+FAST = dict(target_low=0.0, target_high=1.0, max_steps=3, batch_size=4, eval_every=1, eval_size=8)
+"""A warm start of TINY that trains a few steps and always lands in its (whole) band."""
+
+
+def _weights(path: str) -> dict[str, torch.Tensor]:
+    """The saved weights, copied out of the memory-mapped file (which a test may then overwrite)."""
+    return {k: v.clone() for k, v in build_model(ModelConfig(pretrained=path)).state_dict().items()}
+
+
+def test_same_key_builds_same_weights_whatever_the_thread_count(tmp_path, monkeypatch):
+    """A key built under torch threads=1 and threads=2 trains on BUILD_THREADS both times, to bitwise-equal weights."""
+    threads, paths, seen = torch.get_num_threads(), [], []
+    train = ws_mod._train
+
+    def recording_train(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(ws_mod, "_train", recording_train)
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            cfg = WarmStartConfig(**FAST, cache_dir=str(tmp_path / f"t{n}"))
+            paths.append(warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False).path)
+            assert torch.get_num_threads() == n  # the caller's setting is given back
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [ws_mod.BUILD_THREADS, ws_mod.BUILD_THREADS]
+    a, b = (_weights(p) for p in paths)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cache_key_includes_device_type():
+    """cpu and cuda builds differ in kernels, so they never share a cache entry."""
+    m, ws = ModelConfig(), WarmStartConfig()
+    assert cache_key(m, "arithmetic", 1, ws, 0, 3, device="cpu") != cache_key(m, "arithmetic", 1, ws, 0, 3, device="cuda:1")
+    assert cache_key(m, "arithmetic", 1, ws, 0, 3, device="cuda:0") == cache_key(m, "arithmetic", 1, ws, 0, 3, device="cuda")
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "warmstart.json"])
+def test_corrupt_cache_entry_is_rebuilt_with_warning(tmp_path, victim):
+    """Garbage in a cached file fails its checksum: the entry is rebuilt (same weights) with a warning naming it."""
+    cfg = WarmStartConfig(**FAST, cache_dir=str(tmp_path))
+    first = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
+    good = _weights(first.path)
+    (Path(first.path) / victim).write_bytes(b"\x00garbage")
+    with pytest.warns(RuntimeWarning, match=f"{first.path} is corrupt or incomplete: rebuilding"):
+        again = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
+    assert not again.cached and again.path == first.path
+    rebuilt = _weights(again.path)
+    assert all(torch.equal(good[k], rebuilt[k]) for k in good)
+
+
+def test_valid_entry_is_read_without_the_lock_and_unusable_cache_fails_in_one_line(tmp_path):
+    """With a lock that cannot be opened (as in a read-only cache) a valid entry still loads; a missing one is a RunError."""
+    from moe_rl.errors import RunError
+
+    cfg = WarmStartConfig(**FAST, cache_dir=str(tmp_path))
+    first = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
+    lock = Path(f"{first.path}.lock")
+    lock.unlink(missing_ok=True)
+    lock.mkdir()  # opening the lock file now fails, as it does on a read-only file system
+    assert warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False).cached
+    other = replace(cfg, eval_size=16)
+    Path(f"{warm_start_dir(TINY, 'arithmetic', 1, other, 0)}.lock").mkdir()
+    with pytest.raises(RunError, match="is not writable .* holds no valid entry"):
+        warm_start(TINY, "arithmetic", 1, other, seed=0, progress=False)
+
+
+def test_failed_build_leaves_no_lock_behind(tmp_path):
+    """A build that fails (accuracy never reaches the band) removes its lock file: the cache holds nothing."""
+    cfg = WarmStartConfig(target_low=0.99, target_high=1.0, max_steps=1, batch_size=4, eval_size=8, cache_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="warmstart.max_steps=1"):
+        warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
+    assert list(tmp_path.iterdir()) == []
