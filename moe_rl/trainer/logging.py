@@ -177,5 +177,6 @@ def open_wandb(run_dir: Path, config: dict, **kwargs: Any) -> Wandb | NullWandb:
     try:
         return Wandb(run_dir, config, **kwargs)
     except Exception as err:  # noqa: BLE001
-        warnings.warn(f"W&B could not start ({err}); training continues with local logs only", stacklevel=2)
+        reason = " ".join(str(err).split())  # one line, whatever W&B's message looks like
+        warnings.warn(f"W&B could not start ({reason}); training continues with local logs only", stacklevel=2)
         return NullWandb()
