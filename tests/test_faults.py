@@ -135,7 +135,12 @@ def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted_run(tmp_path,
     """Ten SIGKILLs (mid-metrics-line, mid-checkpoint, between renames, in W&B, after the summary), each followed
     by resume=true, leave each step once in metrics.jsonl, equal to an uninterrupted run, and the final summary."""
     cfg = compose_config(_overrides(warm_overrides, tmp_path / "unused")[:-1])
-    train(cfg, tmp_path / "full")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the launched runs (OMP_NUM_THREADS=1): float sums depend on it
+    try:
+        train(cfg, tmp_path / "full")
+    finally:
+        torch.set_num_threads(threads)
     run_dir, seen = tmp_path / "killed", []
     points = _kill_points()
     for i, point in enumerate(points):
@@ -320,7 +325,7 @@ BUILDER = """
 import sys
 from moe_rl.models import ModelConfig
 from moe_rl.warmstart import WarmStartConfig, warm_start
-cfg = WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=2048, cache_dir=sys.argv[1])
+cfg = WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=512, cache_dir=sys.argv[1])
 print("ready", flush=True)
 r = warm_start(ModelConfig(), "arithmetic", 1, cfg, seed=0, progress=False)
 print("cached" if r.cached else "built", flush=True)
@@ -341,7 +346,7 @@ def _lock_holder(lock: Path) -> int | None:
 @pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux /proc/locks to find the lock holder")
 def test_killed_warm_start_builder_leaves_the_other_to_build_one_result(tmp_path, fault_report):
     """Two processes build one warm start; the one holding the lock is SIGKILLed: the other builds it, once, whole."""
-    cfg = WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=2048, cache_dir=str(tmp_path))
+    cfg = WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=512, cache_dir=str(tmp_path))
     from moe_rl.models import ModelConfig
 
     final = warm_start_dir(ModelConfig(), "arithmetic", 1, cfg, 0)
