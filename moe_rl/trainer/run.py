@@ -21,10 +21,10 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
+from moe_rl.errors import RunError
 from moe_rl.models import build_model, build_tokenizer
 from moe_rl.routing import RoutingController
 from moe_rl.tasks import make_task
-from moe_rl.errors import RunError
 from moe_rl.trainer.checkpoint import (
     finished_summary,
     hydra_files,
