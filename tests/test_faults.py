@@ -117,9 +117,14 @@ def _close(x, y) -> bool:
 
 
 def _seen(text: str, tmp_path: Path) -> str:
-    """The message lines a user saw (warnings and errors), with the test's folder shortened to RUN."""
-    keep = [line.strip() for line in text.splitlines() if re.search(r"moe-rl-train:|Warning:|Error", line)]
-    return " / ".join(keep).replace(str(tmp_path), "RUN") or "(nothing)"
+    """The messages a user saw (moe-rl-train errors and warnings, without the warning's source location),
+    each once, with the test's folder shortened to RUN."""
+    keep: list[str] = []
+    for line in text.splitlines():
+        match = re.search(r"(moe-rl-train: .*|(?<=Warning: ).*)", line)
+        if match and match.group(1).strip() not in keep:
+            keep.append(match.group(1).strip())
+    return " / ".join(keep).replace(str(tmp_path), "RUN").replace(str(REPO), "REPO") or "(nothing)"
 
 
 def _kill_points(seed: int = 0) -> list[str]:
@@ -147,7 +152,7 @@ def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted_run(tmp_path,
         extra = ["logger.wandb=true"] if point.startswith("wandb") else []
         proc = _launch(point, _overrides(warm_overrides, run_dir, *extra, *(["resume=true"] if i else [])))
         assert proc.returncode == -signal.SIGKILL, f"{point}: {proc.stderr[-2000:]}"
-        seen.append(_seen(proc.stderr, tmp_path))
+        seen.append(f"{point}: {_seen(proc.stderr, tmp_path)}")
     final = _launch("none", _overrides(warm_overrides, run_dir, "resume=true"))
     assert final.returncode == 0, final.stderr[-2000:]
     assert "already finished" in final.stderr
@@ -156,9 +161,9 @@ def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted_run(tmp_path,
     last = {k: v for k, v in _rows(run_dir)[-1].items() if k != "step" and isinstance(v, float)}
     assert summary["steps_done"] == STEPS and summary["final"].keys() == last.keys()
     fault_report(
-        f"kill -9 at {KILLS} seeded points ({', '.join(points)}), each then `resume=true`",
-        "each resume continues from the last complete checkpoint; a cut metrics line is dropped with a warning "
-        f"naming metrics.jsonl; the final resume says the run already finished ({_seen(final.stderr, tmp_path)})",
+        f"kill -9 at {KILLS} seeded points, each then `resume=true` (point: what the launch killed there had "
+        "printed, from the resume before it)",
+        "; ".join(seen) + f"; final resume: {_seen(final.stderr, tmp_path)}",
         f"metrics.jsonl holds steps 0..{STEPS - 1} once each, equal to an uninterrupted run to 1e-9; summary.json "
         "holds the final metrics",
     )
@@ -317,7 +322,8 @@ def test_sweep_with_one_bad_cell_keeps_the_others_and_exits_non_zero(tmp_path, w
     failed = [j for j in jobs if (j / "failed.json").exists()]
     assert len(done) == 3 and [j.name for j in failed] == ["2"]
     assert "trainer.lr=nan" in json.loads((failed[0] / "failed.json").read_text())["error"]
-    fault_report("4-job sweep, one cell with `trainer.lr=nan`", _seen(proc.stderr, tmp_path)[:300],
+    fault_report("4-job sweep, one cell with `trainer.lr=nan`",
+                 next(line for line in proc.stderr.splitlines() if line.startswith("moe-rl-train:")),
                  "the 3 good jobs' folders and summaries; `failed.json` in the bad one; exit status non-zero")
 
 
@@ -386,7 +392,7 @@ def test_unreachable_wandb_server_gives_up_within_the_timeout(tmp_path, fault_re
     assert name == "NullWandb" and float(seconds) < 30, proc.stderr  # W&B's own default waits 90 s
     warning = next(line for line in proc.stderr.splitlines() if "W&B could not start" in line)
     fault_report("W&B server not answering (`logger.init_timeout_s=3`)",
-                 re.sub(r"^.*UserWarning: ", "", warning)[:200] + f" (after {float(seconds):.0f} s)",
+                 re.sub(r"^.*UserWarning: ", "", warning) + f" (after {float(seconds):.0f} s)",
                  "training goes on with local logs only")
 
 
