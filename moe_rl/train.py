@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import hydra
@@ -41,6 +42,11 @@ def to_config(cfg: DictConfig) -> Config:
     return config
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings as one line a user reads ("moe-rl-train: RuntimeWarning: ..."), not a source location."""
+    return f"moe-rl-train: {category.__name__}: {message}\n"
+
+
 def record_failure(run_dir: Path, err: BaseException) -> None:
     """Leave failed.json (the error and its traceback) in a failed sweep job's folder."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -55,6 +61,7 @@ def main(cfg: DictConfig) -> float:
     In a sweep a failing job records failed.json and raises: Hydra's launchers then run the other jobs
     and report the failure at the end (sys.exit would end the whole sweep at once).
     """
+    warnings.formatwarning = _one_line_warning
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
     run_dir = Path(hc.runtime.output_dir)

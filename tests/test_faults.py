@@ -121,7 +121,7 @@ def _seen(text: str, tmp_path: Path) -> str:
     each once, with the test's folder shortened to RUN."""
     keep: list[str] = []
     for line in text.splitlines():
-        match = re.search(r"(moe-rl-train: .*|(?<=Warning: ).*)", line)
+        match = re.search(r"(moe-rl-train: .*|(?<=Warning: ).*)", line.strip())
         if match and match.group(1).strip() not in keep:
             keep.append(match.group(1).strip())
     return " / ".join(keep).replace(str(tmp_path), "RUN").replace(str(REPO), "REPO") or "(nothing)"
@@ -161,8 +161,8 @@ def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted_run(tmp_path,
     last = {k: v for k, v in _rows(run_dir)[-1].items() if k != "step" and isinstance(v, float)}
     assert summary["steps_done"] == STEPS and summary["final"].keys() == last.keys()
     fault_report(
-        f"kill -9 at {KILLS} seeded points, each then `resume=true` (point: what the launch killed there had "
-        "printed, from the resume before it)",
+        f"kill -9 at {KILLS} seeded points, each then `resume=true` (listed as point: what that launch printed "
+        "before it was killed, i.e. on resuming from the kill before)",
         "; ".join(seen) + f"; final resume: {_seen(final.stderr, tmp_path)}",
         f"metrics.jsonl holds steps 0..{STEPS - 1} once each, equal to an uninterrupted run to 1e-9; summary.json "
         "holds the final metrics",
