@@ -253,8 +253,6 @@ class Config:
             )
         if t.device not in ("cpu", "cuda") and not t.device.startswith("cuda:"):
             raise ValueError(f"trainer.device={t.device!r}: expected cpu or cuda[:N]")
-        if t.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"trainer.device={t.device!r}: CUDA is not available on this machine; use cpu")
         c = self.collapse
         if not 0 < c.reward_frac < 1 or c.reward_window < 1 or c.ratio_max <= 1:
             raise ValueError(
@@ -267,6 +265,13 @@ class Config:
         self.warmstart.validate()
         if self.seed < 0:
             raise ValueError(f"seed={self.seed}: must be >= 0")
+
+    def check_machine(self) -> None:
+        """Raise ValueError naming the field when this machine cannot run the config (trainer.device=cuda
+        without CUDA). Separate from `validate`: configs for GPU machines still compose and validate anywhere."""
+        device = self.trainer.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"trainer.device={device!r}: CUDA is not available on this machine; use cpu")
 
 
 def check_finite(config: Any, prefix: str = "") -> None:

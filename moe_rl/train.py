@@ -67,6 +67,7 @@ def main(cfg: DictConfig) -> float:
     run_dir = Path(hc.runtime.output_dir)
     try:
         config = to_config(cfg)
+        config.check_machine()
     except ValueError as err:
         print(f"moe-rl-train: invalid config: {err}", file=sys.stderr)
         if not sweeping:

@@ -152,7 +152,7 @@ def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted_run(tmp_path,
         extra = ["logger.wandb=true"] if point.startswith("wandb") else []
         proc = _launch(point, _overrides(warm_overrides, run_dir, *extra, *(["resume=true"] if i else [])))
         assert proc.returncode == -signal.SIGKILL, f"{point}: {proc.stderr[-2000:]}"
-        seen.append(f"{point}: {_seen(proc.stderr, tmp_path)}")
+        seen.append(_seen(proc.stderr, tmp_path))
     final = _launch("none", _overrides(warm_overrides, run_dir, "resume=true"))
     assert final.returncode == 0, final.stderr[-2000:]
     assert "already finished" in final.stderr
@@ -161,9 +161,9 @@ def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted_run(tmp_path,
     last = {k: v for k, v in _rows(run_dir)[-1].items() if k != "step" and isinstance(v, float)}
     assert summary["steps_done"] == STEPS and summary["final"].keys() == last.keys()
     fault_report(
-        f"kill -9 at {KILLS} seeded points, each then `resume=true` (listed as point: what that launch printed "
-        "before it was killed, i.e. on resuming from the kill before)",
-        "; ".join(seen) + f"; final resume: {_seen(final.stderr, tmp_path)}",
+        f"kill -9 at {KILLS} seeded points, each then `resume=true` (listed as kill point -> what the next "
+        "resume printed)",
+        "; ".join(f"{p} -> {m}" for p, m in zip(points, [*seen[1:], _seen(final.stderr, tmp_path)], strict=True)),
         f"metrics.jsonl holds steps 0..{STEPS - 1} once each, equal to an uninterrupted run to 1e-9; summary.json "
         "holds the final metrics",
     )

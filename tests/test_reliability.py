@@ -152,6 +152,14 @@ def test_stale_temp_file_is_removed_on_load(tmp_path):
     assert load_checkpoint(tmp_path)["step"] == 3 and not (tmp_path / TMP).exists()
 
 
+def test_kill_between_renames_keeps_the_newest_checkpoint(tmp_path):
+    """With checkpoint.pt already moved to .prev and the complete new one still in the temp file, the new one loads."""
+    save_checkpoint(tmp_path, _state(1))
+    save_checkpoint(tmp_path, _state(2))
+    os.replace(tmp_path / CHECKPOINT, tmp_path / TMP)  # prev = step 1, temp = step 2: a kill before the last rename
+    assert load_checkpoint(tmp_path)["step"] == 2 and not (tmp_path / TMP).exists()
+
+
 # --- resume ------------------------------------------------------------------------------------------
 
 
@@ -317,11 +325,12 @@ def test_pretrained_folder_without_model_is_refused(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_device_without_cuda_is_refused():
-    """trainer.device=cuda without CUDA is a ValueError naming trainer.device, not an AssertionError later."""
+    """trainer.device=cuda without CUDA fails check_machine (run before any compute) naming trainer.device."""
     from test_train import compose_config
 
+    cfg = compose_config(["trainer.device=cuda"])  # composes and validates: a config for a GPU machine
     with pytest.raises(ValueError, match=r"trainer\.device='cuda': CUDA is not available"):
-        compose_config(["trainer.device=cuda"])
+        cfg.check_machine()
 
 
 def test_infinite_ratio_max_is_allowed():

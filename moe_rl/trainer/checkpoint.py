@@ -13,6 +13,7 @@ corrupt latest checkpoint, `load_checkpoint` falls back to the previous one with
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -123,9 +124,16 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     """The run folder's newest usable checkpoint, or None when it has none.
 
     A corrupt checkpoint.pt falls back to checkpoint.prev.pt with a warning; when checkpoints exist but
-    none is usable, CheckpointError names them. A stale temporary file of an interrupted write is removed.
+    none is usable, CheckpointError names them. A stale temporary file of an interrupted write is removed,
+    unless checkpoint.pt is missing and the file verifies (a kill between the renames): it becomes checkpoint.pt.
     """
-    (run_dir / TMP).unlink(missing_ok=True)
+    tmp = run_dir / TMP
+    if tmp.exists() and not (run_dir / CHECKPOINT).exists():
+        # Killed between save_checkpoint's two renames: the temporary file is the newest checkpoint, whole.
+        with contextlib.suppress(CheckpointError):
+            read_checkpoint(tmp)
+            os.replace(tmp, run_dir / CHECKPOINT)
+    tmp.unlink(missing_ok=True)
     errors = []
     for name in (CHECKPOINT, PREVIOUS):
         path = run_dir / name

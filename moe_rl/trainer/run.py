@@ -186,6 +186,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     Under torchrun every rank calls this and gets the same summary; rank 0 writes (module docstring).
     """
     cfg.validate()
+    cfg.check_machine()
     dist, device = init_distributed(cfg.trainer)
     check_world(cfg.trainer, dist.world)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
