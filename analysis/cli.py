@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         runs = load_wandb(args.wandb, args.group, progress=progress)
         sources = [f"wandb:{args.wandb}" + (f" group={args.group}" if args.group else "")]
     else:
+        missing = [str(d) for d in args.sweep_dirs if not d.is_dir()]
+        if missing:
+            raise SystemExit(f"moe-rl-analyze: {', '.join(missing)}: no such folder")
         runs = load_local(args.sweep_dirs, progress=progress)
         sources = [str(d) for d in args.sweep_dirs]
     if not runs:

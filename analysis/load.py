@@ -13,8 +13,8 @@ device settings never split a group (see IGNORED): runs that differ only in thos
 
 from __future__ import annotations
 
-import json
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,7 +25,8 @@ import numpy as np
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from moe_rl.trainer.compare import read_run
+from moe_rl.trainer.compare import BrokenRunError, read_run
+from moe_rl.trainer.logging import CorruptLogError, read_jsonl
 
 # Fields that never define a group: seeds are what we average over; the rest do not change the science.
 IGNORED = {
@@ -115,15 +116,25 @@ def unflatten(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def find_run_dirs(sweep_dirs: Iterable[Path]) -> list[Path]:
-    """Every folder under `sweep_dirs` (recursively, or the folder itself) with metrics.jsonl and summary.json."""
+    """Every folder under `sweep_dirs` (recursively, or the folder itself) with metrics.jsonl and summary.json.
+
+    A folder with metrics.jsonl but no summary.json (a failed, killed or unfinished run) is skipped with
+    a warning naming it. FileNotFoundError (one line) for a path that is not a folder.
+    """
     found: set[Path] = set()
     for root in sweep_dirs:
         root = Path(root)
         if not root.is_dir():
-            raise FileNotFoundError(f"{root}: not a folder")
+            raise FileNotFoundError(f"{root}: no such folder")
         for metrics in root.rglob("metrics.jsonl"):
             if (metrics.parent / "summary.json").exists():
                 found.add(metrics.parent)
+            else:
+                warnings.warn(
+                    f"skipping {metrics.parent}: no summary.json (failed, killed or unfinished)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     return sorted(found)
 
 
@@ -152,14 +163,19 @@ def read_local_run(run_dir: Path) -> Run:
     events_path = run_dir / "events.jsonl"
     events = []
     if events_path.exists():
-        events = [json.loads(line) for line in events_path.read_text().splitlines() if line]
+        events = read_jsonl(events_path)
     return Run(config=config, rows=rows, events=events, source=str(run_dir))
 
 
 def load_local(sweep_dirs: Iterable[Path], progress: bool = True) -> list[Run]:
-    """Every run under the given sweep folders (runs without any metrics row are skipped)."""
-    run_dirs = find_run_dirs(sweep_dirs)
-    runs = [read_local_run(d) for d in tqdm(run_dirs, desc="loading runs", disable=not progress, leave=False)]
+    """Every run under the given sweep folders. Runs without any metrics row are skipped; so is a run
+    whose files are corrupt, with a warning naming it (the rest of the sweep is still analysed)."""
+    runs = []
+    for d in tqdm(find_run_dirs(sweep_dirs), desc="loading runs", disable=not progress, leave=False):
+        try:
+            runs.append(read_local_run(d))
+        except (BrokenRunError, CorruptLogError, ValueError) as err:
+            warnings.warn(f"skipping {d}: {err}", RuntimeWarning, stacklevel=2)
     return [r for r in runs if r.rows]
 
 

@@ -6,7 +6,12 @@ calls `Config.validate()`, which raises `ValueError` naming the first bad field 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from moe_rl.models.config import DTYPES, ModelConfig
 from moe_rl.objectives import OBJECTIVES, SPECS
@@ -15,6 +20,9 @@ from moe_rl.rollout.sampler import SamplerConfig
 from moe_rl.tasks import TASKS, make_task
 from moe_rl.trainer.evaluate import EvalConfig
 from moe_rl.warmstart import WarmStartConfig
+
+INFINITE_OK = ("collapse.ratio_max",)
+"""Float fields where +inf is meaningful (a threshold that never fires); NaN is refused everywhere."""
 
 REPLAY_SOURCES = ("off", "old", "rollout")
 PARALLEL = ("ddp", "fsdp")
@@ -188,6 +196,9 @@ class LoggerConfig:
     alert_interval_s: float = 300.0
     """Rate limit: at most one alert per collapse kind in this many seconds (also passed to W&B as the
     alert's wait_duration); the tag is added on the first event of each kind."""
+    init_timeout_s: float = 20.0
+    """Seconds W&B may take to start (e.g. a server rejecting the key); then training goes on with
+    local logs only, with a warning."""
 
 
 @dataclass
@@ -207,13 +218,21 @@ class Config:
     seed: int = 0
     """Seed of sampling, shuffling and the task stream (the model's init seed is model.seed)."""
     resume: bool = False
-    """Continue from the run folder's last checkpoint."""
+    """Continue from the run folder's last checkpoint (checkpoint.pt, or checkpoint.prev.pt when the
+    latest is corrupt). A finished run is left as it is; a folder without a checkpoint starts fresh; a
+    config that differs from the checkpoint's outside trainer.steps, trainer.checkpoint_every,
+    trainer.threads, trainer.dist_timeout_s, warmstart.cache_dir and logger.* is refused."""
+    resume_force: bool = False
+    """With resume=true: continue even when the config differs from the checkpoint's (a warning lists
+    the changed fields)."""
     experiment: str = "default"
     """Name of the experiment (set by conf/experiment/*.yaml); a W&B grouping field."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        check_finite(self)
         self.model.validate()
+        check_pretrained(self.model.pretrained)
         if self.task.name not in TASKS:
             raise ValueError(f"task.name={self.task.name!r}: expected one of {sorted(TASKS)}")
         longest = make_task(self.task.name, self.task.difficulty).max_response_len + 1  # + EOS
@@ -316,6 +335,8 @@ class Config:
             raise ValueError(
                 "collapse.reward_frac must be in (0, 1), collapse.reward_window >= 1, collapse.ratio_max > 1"
             )
+        if self.logger.init_timeout_s <= 0:
+            raise ValueError(f"logger.init_timeout_s={self.logger.init_timeout_s}: must be > 0")
         if self.logger.mode not in WANDB_MODES:
             raise ValueError(f"logger.mode={self.logger.mode!r}: expected one of {WANDB_MODES}")
         if self.logger.alert_interval_s < 0:
@@ -324,3 +345,37 @@ class Config:
         self.eval.validate()
         if self.seed < 0:
             raise ValueError(f"seed={self.seed}: must be >= 0")
+
+    def check_machine(self) -> None:
+        """Raise ValueError naming the field when this machine cannot run the config (trainer.device=cuda
+        without CUDA). Separate from `validate`: configs for GPU machines still compose and validate anywhere."""
+        device = self.trainer.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"trainer.device={device!r}: CUDA is not available on this machine; use cpu")
+
+
+def check_finite(config: Any, prefix: str = "") -> None:
+    """Raise ValueError naming the first float field (at any depth, list items included) that is NaN or
+    infinite; comparisons with NaN are always false, so range checks alone would let it through."""
+    for f in fields(config):
+        value, name = getattr(config, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            check_finite(value, name + ".")
+            continue
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(v, float) and not math.isfinite(v) and not (v == math.inf and name in INFINITE_OK):
+                raise ValueError(f"{name}={value}: must be a finite number")
+
+
+def check_pretrained(pretrained: str | None) -> None:
+    """A `model.pretrained` that names a local folder must exist and hold a model (config.json);
+    anything else that looks like a path (absolute, ./, ../, ~) but is no folder is refused too."""
+    if not pretrained:
+        return
+    path = Path(pretrained).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.pretrained={pretrained}: the folder holds no model (no config.json)")
+        return
+    if path.exists() or pretrained.startswith(("/", "./", "../", "~", ".")):
+        raise ValueError(f"model.pretrained={pretrained}: no such model folder")

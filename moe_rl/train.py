@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import hydra
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.config import Config
+from moe_rl.errors import one_line
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -40,6 +42,11 @@ def to_config(cfg: DictConfig) -> Config:
     return config
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings as one line a user reads ("moe-rl-train: RuntimeWarning: ..."), not a source location."""
+    return f"moe-rl-train: {category.__name__}: {message}\n"
+
+
 def record_failure(run_dir: Path, err: BaseException) -> None:
     """Leave failed.json (the error and its traceback) in a failed sweep job's folder."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -54,11 +61,13 @@ def main(cfg: DictConfig) -> float:
     In a sweep a failing job records failed.json and raises: Hydra's launchers then run the other jobs
     and report the failure at the end (sys.exit would end the whole sweep at once).
     """
+    warnings.formatwarning = _one_line_warning
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
     run_dir = Path(hc.runtime.output_dir)
     try:
         config = to_config(cfg)
+        config.check_machine()
     except ValueError as err:
         print(f"moe-rl-train: invalid config: {err}", file=sys.stderr)
         if not sweeping:
@@ -73,7 +82,12 @@ def main(cfg: DictConfig) -> float:
     except Exception as err:
         if sweeping:
             record_failure(run_dir, err)
-        raise
+            raise
+        message = one_line(err)  # a corrupt checkpoint, a refused resume, a full disk: no traceback
+        if message is None:
+            raise
+        print(f"moe-rl-train: {message}", file=sys.stderr)
+        sys.exit(1)
     return summary["final"].get("rollout/reward/mean", float("nan"))
 
 

@@ -17,9 +17,13 @@ too-easy policy still leaves RL some signal while accuracy < 1); if accuracy nev
 
 Caching: the result is saved under `<cache_dir>/<task>-<key[:16]>/` (model and tokenizer via
 `save_pretrained`, plus `warmstart.json`), where `key` is the sha256 of everything that determines the
-weights. Concurrent callers (Hydra sweep jobs) serialise on an exclusive `flock` of `<dir>.lock`; the
-builder writes into a temporary directory and renames it into place, so the final name only ever holds a
-complete result, and a caller that waited on the lock loads it.
+weights (the device type included). Builds run on `BUILD_THREADS` torch threads, so a key's weights do
+not depend on the caller's thread count. `warmstart.json` holds the sha256 of every file of the entry;
+an entry that fails that check is rebuilt with a warning. A valid entry is read without any lock (a
+read-only cache is usable). Concurrent builders (Hydra sweep jobs) serialise on an exclusive lock of
+`<dir>.lock` (`filelock`, released by the OS when a process dies); the builder writes into a temporary
+directory and renames it into place, so the final name only ever holds a complete result, and a caller
+that waited on the lock loads it. A failed build removes its lock file.
 
 Seeds: `seed` (the run seed) seeds torch's RNG, the stream of training demonstrations and the eval
 sampler's generator; `WarmStartConfig.seed` picks the held-out eval examples. Model weights start from
@@ -32,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import hashlib
 import json
 import os
@@ -47,16 +50,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from moe_rl.errors import RunError
 from moe_rl.models import ModelConfig, build_model, build_tokenizer
 from moe_rl.rollout import SamplerConfig, position_ids_from_mask, sample
 from moe_rl.tasks import Example, Task, make_task, split_seed
 
-FORMAT_VERSION = 1
-"""Bump when the training procedure changes so old cache entries stop matching."""
+FORMAT_VERSION = 2
+"""Bump when the training procedure changes so old cache entries stop matching (2: fixed build
+threads, device type in the key, checksums in warmstart.json)."""
+
+BUILD_THREADS = 2
+"""torch CPU threads of every build, whatever the caller's: reductions split by thread count round
+differently, so one key built on 1 and on 2 threads gave different weights (max |dw| 0.108 in a probe).
+Any fixed count makes builds reproducible; 2 is the count the test suite runs with (tests/conftest.py),
+whose 1-vs-2-process comparison (tests/test_distributed.py, atol 1e-4) holds from these weights and
+missed by 1e-5 on 2 of 1024 elements from a 1-thread build."""
 
 LR_BACKOFF = 0.5
 """Learning-rate factor applied at each rollback after an overshoot."""
@@ -137,12 +150,19 @@ def cache_key(
     ws_cfg: WarmStartConfig,
     seed: int,
     max_new_tokens: int,
+    *,
+    device: str = "cpu",
 ) -> str:
-    """sha256 hex digest of a canonical JSON of everything that determines the warm-started weights."""
+    """sha256 hex digest of a canonical JSON of everything that determines the warm-started weights.
+
+    The device type (cpu, cuda) is part of it: kernels differ, so do the weights. The thread count is
+    not: builds run on BUILD_THREADS threads whatever the caller's setting.
+    """
     ws = asdict(ws_cfg)
     del ws["cache_dir"]
     payload = dict(
         format=FORMAT_VERSION,
+        device=torch.device(device).type,
         model=asdict(model_cfg),
         task=task_name,
         difficulty=difficulty,
@@ -324,6 +344,44 @@ def _train(
     return accuracy, steps, dict(steps_total=steps_total, rollbacks=rollbacks, history=history)
 
 
+def _checksums(folder: Path) -> dict[str, str]:
+    """sha256 of every file of an entry except warmstart.json, by name."""
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != META_FILE
+    }
+
+
+def _verified_meta(final: Path, warn: bool = False) -> dict[str, Any] | None:
+    """The entry's warmstart.json if the entry is complete and every file matches its checksum; else None
+    (with `warn`, a warning that a corrupt entry will be rebuilt)."""
+    if not final.is_dir():
+        return None
+    try:
+        meta = json.loads((final / META_FILE).read_text())
+        ok = meta.get("format") == FORMAT_VERSION and meta["sha256"] == _checksums(final)
+        ok = ok and isinstance(meta["accuracy"], float | int) and isinstance(meta["steps"], int)
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if ok:
+        return meta
+    if warn:
+        warnings.warn(f"warm-start cache entry {final} is corrupt or incomplete: rebuilding it", RuntimeWarning, stacklevel=3)
+    return None
+
+
+def _acquire(lock_path: Path) -> FileLock:
+    """An exclusive lock on `lock_path` (released by the OS if the process dies). A lock file removed by
+    a failed builder while we waited is a stale lock: take a fresh one."""
+    while True:
+        lock = FileLock(lock_path)
+        lock.acquire()
+        if lock_path.exists():
+            return lock
+        lock.release()
+
+
 @contextlib.contextmanager
 def _hf_progress_bars(enabled: bool) -> Iterator[None]:
     """Silence transformers' own progress bars (e.g. "Writing model shards") when progress=False."""
@@ -357,10 +415,15 @@ def _build(
     else:
         tokenizer = build_tokenizer()
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        model = build_model(model_cfg, tokenizer).to(device)
-        accuracy, steps, stats = _train(model, tokenizer, task, ws_cfg, seed, max_new_tokens, progress)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(BUILD_THREADS)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            model = build_model(model_cfg, tokenizer).to(device)
+            accuracy, steps, stats = _train(model, tokenizer, task, ws_cfg, seed, max_new_tokens, progress)
+    finally:
+        torch.set_num_threads(threads)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
     try:
         with _hf_progress_bars(progress):
@@ -378,6 +441,9 @@ def _build(
             max_new_tokens=max_new_tokens,
             model=asdict(model_cfg),
             warmstart=asdict(ws_cfg),
+            device=torch.device(device).type,
+            build_threads=BUILD_THREADS,
+            sha256=_checksums(tmp),
             **stats,
         )
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
@@ -395,11 +461,12 @@ def warm_start_dir(
     seed: int,
     *,
     max_new_tokens: int | None = None,
+    device: str = "cpu",
 ) -> Path:
     """The cache directory `<cache_dir>/<task>-<key[:16]>` of a warm start (its lock is `<dir>.lock`)."""
     if max_new_tokens is None:
         max_new_tokens = make_task(task_name, difficulty).max_response_len + 1
-    key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens)
+    key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device)
     return Path(ws_cfg.cache_dir).expanduser().resolve() / f"{task_name}-{key[:16]}"
 
 
@@ -418,7 +485,7 @@ def warm_start(
 
     max_new_tokens: response limit of the accuracy check; default `task.max_response_len + 1` (EOS).
     Pass the RL sampler's value so the band is measured as RL will sample.
-    device: where training runs; not part of the cache key (the first build of a key is kept).
+    device: where training runs; its type (cpu, cuda) is part of the cache key.
     Raises ValueError for a bad config and RuntimeError when accuracy never reaches target_low.
     """
     start = time.perf_counter()
@@ -432,28 +499,41 @@ def warm_start(
         )
     if max_new_tokens is None:
         max_new_tokens = make_task(task_name, difficulty).max_response_len + 1
-    final = warm_start_dir(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens=max_new_tokens)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(f"{final}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    final = warm_start_dir(
+        model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens=max_new_tokens, device=device
+    )
+    # A finished entry never changes: a valid one is read without the lock (a read-only cache works).
+    meta = _verified_meta(final)
+    if meta is not None:
+        return WarmStartResult(str(final), meta["accuracy"], meta["steps"], True, time.perf_counter() - start)
+    lock_path = Path(f"{final}.lock")
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # released when the descriptor is closed, even on a crash
-        cached = (final / META_FILE).is_file()
+        final.parent.mkdir(parents=True, exist_ok=True)
+        lock = _acquire(lock_path)
+    except OSError as err:
+        raise RunError(
+            f"warm-start cache {final.parent} is not writable ({err.strerror or err}) and holds no valid "
+            "entry for this config: set warmstart.cache_dir to a writable folder"
+        ) from err
+    try:
+        meta = _verified_meta(final, warn=True)  # another process may have built it while we waited
+        cached = meta is not None
         if cached:
-            meta = json.loads((final / META_FILE).read_text())
             accuracy, steps = meta["accuracy"], meta["steps"]
         else:
             # Holding the lock, no one else builds this key: leftovers are from a crashed builder.
             for stale in final.parent.glob(f".{final.name}.tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)
             if final.exists():
-                warnings.warn(
-                    f"rebuilding incomplete warm start directory {final}", RuntimeWarning, stacklevel=2
-                )
                 shutil.rmtree(final)
-            key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens)
-            accuracy, steps = _build(
-                final, model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, key, device, progress
-            )
+            key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device)
+            try:
+                accuracy, steps = _build(
+                    final, model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, key, device, progress
+                )
+            except BaseException:
+                lock_path.unlink(missing_ok=True)  # no entry: leave no lock file behind either
+                raise
     finally:
-        os.close(lock_fd)
+        lock.release()
     return WarmStartResult(str(final), accuracy, steps, cached, time.perf_counter() - start)

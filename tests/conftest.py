@@ -15,6 +15,49 @@ torch.set_num_threads(2)
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--reliability-report",
+        default=None,
+        metavar="PATH",
+        help="write the fault-injection table (tests/test_faults.py) of this run to PATH (docs/reliability.md)",
+    )
+
+
+REPORT_HEADER = """# Reliability: what each fault does
+
+Produced by the fault-injection suite's own run (`tests/test_faults.py`, slow-marked; CI runs it):
+
+    pytest -m slow tests/test_faults.py --reliability-report docs/reliability.md
+
+Each row is one case as it ran: the fault injected, what the user saw (warnings and errors, with the
+test's folder shown as RUN), and what survived. The fast contracts behind them (checkpoint format,
+strict JSON, start-up checks, the warm-start cache) are in tests/test_reliability.py and
+tests/test_warmstart.py.
+
+| fault | what the user sees | what survives |
+|---|---|---|
+"""
+
+
+@pytest.fixture(scope="session")
+def _fault_rows(request):
+    rows: list[tuple[str, str, str]] = []
+    yield rows
+    path = request.config.getoption("--reliability-report")
+    if path and rows:
+        cell = lambda text: text.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        body = "".join(f"| {cell(a)} | {cell(b)} | {cell(c)} |\n" for a, b, c in rows)
+        with open(path, "w") as f:
+            f.write(REPORT_HEADER + body)
+
+
+@pytest.fixture
+def fault_report(_fault_rows):
+    """Record one fault case (fault, what the user sees, what survives) for --reliability-report."""
+    return lambda fault, seen, survives: _fault_rows.append((fault, seen, survives))
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default character tokenizer over the tasks' alphabet."""

@@ -24,6 +24,7 @@ from test_train import TINY, _comparable, _read_metrics, compose_config
 from moe_rl.config import TrainerConfig
 from moe_rl.models import ModelConfig, build_model
 from moe_rl.rollout import SamplerConfig, sample
+from moe_rl.trainer.checkpoint import read_checkpoint
 from moe_rl.trainer.distributed import check_world, minibatch_rows, reduce_metrics
 from moe_rl.trainer.run import train
 
@@ -147,7 +148,7 @@ def _run(run_dir: Path, overrides: list[str], nproc: int = 2) -> dict:
 
 
 def _params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+    return read_checkpoint(run_dir / "checkpoint.pt")["model"]
 
 
 @pytest.fixture(scope="module")

@@ -347,7 +347,7 @@ def test_reuse_sampler_logp_skips_old_forward_and_matches_it():
         # An old-policy forward is a full (uncached) forward without gradients; sampling uses the cache.
         calls = []
         ctx.model.register_forward_pre_hook(
-            lambda m, a, kw: calls.append(not torch.is_grad_enabled() and not kw.get("use_cache")),
+            lambda m, a, kw, calls=calls: calls.append(not torch.is_grad_enabled() and not kw.get("use_cache")),
             with_kwargs=True,
         )
         metrics[reuse] = [rl_step(ctx, step) for step in range(2)]

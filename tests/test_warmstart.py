@@ -1,6 +1,5 @@
 """Supervised warm start: lands in its accuracy band, rolls back overshoots, caches safely across processes."""
 
-import fcntl
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from transformers import AutoTokenizer
 
 import moe_rl.warmstart as ws_mod
@@ -94,24 +94,18 @@ def test_cache_key_changes_with_anything_that_changes_weights():
     assert warm_start_dir(m, "arithmetic", 1, ws, 0).name == f"arithmetic-{base[:16]}"
 
 
-def _blocked_flock_waiters(lock_path: Path) -> int:
-    """Processes blocked on an flock of `lock_path`, read from /proc/locks ("->" marks a waiter)."""
-    inode = f":{os.stat(lock_path).st_ino} "
-    return sum(1 for line in Path("/proc/locks").read_text().splitlines() if "->" in line and inode in line)
-
-
 CHILD = """
 import json, sys, torch
 torch.set_num_threads(1)
 from moe_rl.models import ModelConfig
 from moe_rl.warmstart import WarmStartConfig, warm_start
 cfg = WarmStartConfig(target_low=0.0, target_high=1.0, max_steps=2, batch_size=4, eval_size=8, cache_dir=sys.argv[1])
+print("ready", flush=True)
 r = warm_start(ModelConfig(), "arithmetic", 1, cfg, seed=0, progress=False)
 print(json.dumps(dict(path=r.path, cached=r.cached, steps=r.steps)))
 """
 
 
-@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux /proc/locks to see lock waiters")
 def test_concurrent_callers_build_once_and_both_succeed(tmp_path):
     """Two processes asking at once: one builds, the other waits and loads it (cached=True); no partial directory."""
     cfg = WarmStartConfig(
@@ -120,10 +114,9 @@ def test_concurrent_callers_build_once_and_both_succeed(tmp_path):
     final = warm_start_dir(ModelConfig(), "arithmetic", 1, cfg, 0)
     lock_path = Path(f"{final}.lock")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    # Hold the lock until both children are blocked on it, so they really race for it when it is released.
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    # Hold the lock until both children are at it, so they really race for it when it is released.
+    lock = FileLock(lock_path)
+    with lock:
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", CHILD, str(tmp_path)],
@@ -134,14 +127,10 @@ def test_concurrent_callers_build_once_and_both_succeed(tmp_path):
             )
             for _ in range(2)
         ]
-        deadline = time.monotonic() + 300
-        while _blocked_flock_waiters(lock_path) < 2:
-            assert all(p.poll() is None for p in procs), "a child exited before reaching the lock"
-            assert time.monotonic() < deadline, "children never blocked on the warm-start lock"
-            time.sleep(0.2)
+        assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+        time.sleep(1.0)  # both are now polling the lock (filelock retries every 0.05 s)
+        assert all(p.poll() is None for p in procs), "a child finished while the lock was held"
         assert not final.exists()
-    finally:
-        os.close(fd)
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
@@ -233,3 +222,80 @@ def test_invalid_config_raises_naming_the_field(tmp_path, field, value):
     with pytest.raises(ValueError, match=rf"warmstart\.{field}"):
         warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
     assert not (tmp_path / "cache").exists()
+
+
+FAST = dict(target_low=0.0, target_high=1.0, max_steps=3, batch_size=4, eval_every=1, eval_size=8)
+"""A warm start of TINY that trains a few steps and always lands in its (whole) band."""
+
+
+def _weights(path: str) -> dict[str, torch.Tensor]:
+    """The saved weights, copied out of the memory-mapped file (which a test may then overwrite)."""
+    return {k: v.clone() for k, v in build_model(ModelConfig(pretrained=path)).state_dict().items()}
+
+
+def test_same_key_builds_same_weights_whatever_the_thread_count(tmp_path, monkeypatch):
+    """A key built under torch threads=1 and threads=2 trains on BUILD_THREADS both times, to bitwise-equal weights."""
+    threads, paths, seen = torch.get_num_threads(), [], []
+    train = ws_mod._train
+
+    def recording_train(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(ws_mod, "_train", recording_train)
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            cfg = WarmStartConfig(**FAST, cache_dir=str(tmp_path / f"t{n}"))
+            paths.append(warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False).path)
+            assert torch.get_num_threads() == n  # the caller's setting is given back
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [ws_mod.BUILD_THREADS, ws_mod.BUILD_THREADS]
+    a, b = (_weights(p) for p in paths)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cache_key_includes_device_type():
+    """cpu and cuda builds differ in kernels, so they never share a cache entry."""
+    m, ws = ModelConfig(), WarmStartConfig()
+    assert cache_key(m, "arithmetic", 1, ws, 0, 3, device="cpu") != cache_key(m, "arithmetic", 1, ws, 0, 3, device="cuda:1")
+    assert cache_key(m, "arithmetic", 1, ws, 0, 3, device="cuda:0") == cache_key(m, "arithmetic", 1, ws, 0, 3, device="cuda")
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "warmstart.json"])
+def test_corrupt_cache_entry_is_rebuilt_with_warning(tmp_path, victim):
+    """Garbage in a cached file fails its checksum: the entry is rebuilt (same weights) with a warning naming it."""
+    cfg = WarmStartConfig(**FAST, cache_dir=str(tmp_path))
+    first = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
+    good = _weights(first.path)
+    (Path(first.path) / victim).write_bytes(b"\x00garbage")
+    with pytest.warns(RuntimeWarning, match=f"{first.path} is corrupt or incomplete: rebuilding"):
+        again = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
+    assert not again.cached and again.path == first.path
+    rebuilt = _weights(again.path)
+    assert all(torch.equal(good[k], rebuilt[k]) for k in good)
+
+
+def test_valid_entry_is_read_without_the_lock_and_unusable_cache_fails_in_one_line(tmp_path):
+    """With a lock that cannot be opened (as in a read-only cache) a valid entry still loads; a missing one is a RunError."""
+    from moe_rl.errors import RunError
+
+    cfg = WarmStartConfig(**FAST, cache_dir=str(tmp_path))
+    first = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
+    lock = Path(f"{first.path}.lock")
+    lock.unlink(missing_ok=True)
+    lock.mkdir()  # opening the lock file now fails, as it does on a read-only file system
+    assert warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False).cached
+    other = replace(cfg, eval_size=16)
+    Path(f"{warm_start_dir(TINY, 'arithmetic', 1, other, 0)}.lock").mkdir()
+    with pytest.raises(RunError, match="is not writable .* holds no valid entry"):
+        warm_start(TINY, "arithmetic", 1, other, seed=0, progress=False)
+
+
+def test_failed_build_leaves_no_lock_behind(tmp_path):
+    """A build that fails (accuracy never reaches the band) removes its lock file: the cache holds nothing."""
+    cfg = WarmStartConfig(target_low=0.99, target_high=1.0, max_steps=1, batch_size=4, eval_size=8, cache_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="warmstart.max_steps=1"):
+        warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
+    assert list(tmp_path.iterdir()) == []

@@ -11,6 +11,11 @@ log the same quantity:
   valid positions (`POSITION_MEANS`, and expert change, reduced per mini-batch) or rows (the rest);
 - variances and `routing/load_cv/mean`: the weighted mean of the ranks' values, not the global statistic.
 
+NaN/inf: one convention in metrics.jsonl, events.jsonl and summary.json (moe_rl.trainer.logging): a
+non-finite value is written as the string "nan", "inf" or "-inf", so each file is strict JSON; readers
+(`moe-rl-compare`, `moe-rl-analyze`) turn them back into floats. summary.json's `final` keeps only the
+finite metrics of the last step.
+
 | key | meaning |
 |---|---|
 | `rollout/reward/mean`, `rollout/reward/std` | reward over the P x G completions |
@@ -34,7 +39,7 @@ log the same quantity:
 | `routing/entropy/mean` | router entropy (nats) of the old policy, mean over layers |
 | `routing/replay_cache_bytes` | bytes of expert ids held for replay this step (0 when replay is off) |
 | `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens, where the old-policy log-probs are those the objective uses as π_old, under the arm's replay (R3 replays the sampler's routing there; 0 by construction with `trainer.reuse_sampler_logp`) |
-| `collapse/events`, `collapse/new_events` | collapse events so far, and those of this step (see collapse.py) |
+| `collapse/events`, `collapse/new_events` | collapse events so far, and those of this step (see collapse.py; at most one `nonfinite` event per step, its `detail` counting the mini-batches with a non-finite `train/loss` or `train/grad_norm`) |
 | `collapse/kind/{kind}` | collapse events of each kind so far (`nonfinite`, `reward_collapse`, `entropy_collapse`, `ratio_blowup`; 0 until one fires) |
 | `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages (`time/old_forward_s` is ~0 with `trainer.reuse_sampler_logp`) |
 | `throughput/tokens_per_s` | (prompt + response tokens of the batch) / step seconds |

@@ -1,23 +1,57 @@
-"""Atomic checkpoints: everything a run needs to continue exactly where it stopped."""
+"""Safe, verified checkpoints: everything a run needs to continue exactly where it stopped.
+
+File format: `MAGIC` (8 bytes), the sha256 of the payload (32 bytes), then the payload, a `torch.save`
+of a dict of tensors and plain Python values (RNG states included: numpy's key array is stored as a
+tensor). Loading checks the magic and the checksum, then unpickles with `weights_only=True`, so a
+crafted file can neither execute code nor pass a truncated or garbled payload off as a checkpoint.
+
+The last two checkpoints are kept: `checkpoint.pt` and `checkpoint.prev.pt`. A write goes to
+`.checkpoint.pt.tmp` (fsync'ed), the current checkpoint becomes the previous one, and the new one is
+renamed into place; a kill at any moment leaves at least one complete, verified checkpoint. On a
+corrupt latest checkpoint, `load_checkpoint` falls back to the previous one with a warning.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import json
 import os
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from moe_rl.errors import RunError
+
 CHECKPOINT = "checkpoint.pt"
+PREVIOUS = "checkpoint.prev.pt"
+TMP = f".{CHECKPOINT}.tmp"
+MAGIC = b"MOERLCK1"
+"""First bytes of a checkpoint in this format (older ones are plain torch zip files, starting b"PK")."""
+
+
+class CheckpointError(RunError):
+    """No usable checkpoint where one was needed; the message is one line a user can act on."""
 
 
 def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
-    """The global RNGs' states and those of the named generators."""
+    """The global RNGs' states and those of the named generators, as tensors and plain values only."""
+    version, mt_state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "generators": {name: g.get_state() for name, g in generators.items()},
@@ -26,8 +60,11 @@ def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
     """Restore what `rng_state` captured."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["name"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -36,20 +73,174 @@ def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator])
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> Path:
-    """Write `state` to run_dir/checkpoint.pt atomically (temp file, fsync, rename)."""
-    path = run_dir / CHECKPOINT
-    tmp = run_dir / f".{CHECKPOINT}.tmp"
-    with tmp.open("wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write `state` as run_dir/checkpoint.pt, keeping the one before as checkpoint.prev.pt.
+
+    The payload is serialised in memory first, so a state that cannot be saved (or a full disk) fails
+    before the current checkpoint is touched.
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    path, tmp = run_dir / CHECKPOINT, run_dir / TMP
+    try:
+        with tmp.open("wb") as f:
+            f.write(MAGIC + hashlib.sha256(payload).digest())
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if path.exists():
+        os.replace(path, run_dir / PREVIOUS)
     os.replace(tmp, path)
     return path
 
 
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """One checkpoint file, verified; CheckpointError (one line) when it is not a usable checkpoint."""
+    data = path.read_bytes()
+    if data[:2] == b"PK":
+        raise CheckpointError(
+            f"{path} is an old-format checkpoint (pickled RNG state), which cannot be loaded safely: "
+            "start the run again without resume=true"
+        )
+    header = len(MAGIC) + 32
+    if len(data) < header or data[: len(MAGIC)] != MAGIC:
+        raise CheckpointError(f"{path} is not a moe-rl checkpoint (unknown header)")
+    payload = data[header:]
+    if hashlib.sha256(payload).digest() != data[len(MAGIC) : header]:
+        raise CheckpointError(f"{path} is corrupt (checksum mismatch: truncated or overwritten)")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever the unpickler says, the file is unusable
+        raise CheckpointError(f"{path} could not be loaded safely: {type(err).__name__}") from err
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"{path} holds no training state")
+    return state
+
+
 def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    """The run folder's checkpoint, or None when it has none."""
-    path = run_dir / CHECKPOINT
-    if not path.exists():
+    """The run folder's newest usable checkpoint, or None when it has none.
+
+    A corrupt checkpoint.pt falls back to checkpoint.prev.pt with a warning; when checkpoints exist but
+    none is usable, CheckpointError names them. A stale temporary file of an interrupted write is removed,
+    unless checkpoint.pt is missing and the file verifies (a kill between the renames): it becomes checkpoint.pt.
+    """
+    tmp = run_dir / TMP
+    if tmp.exists() and not (run_dir / CHECKPOINT).exists():
+        # Killed between save_checkpoint's two renames: the temporary file is the newest checkpoint, whole.
+        with contextlib.suppress(CheckpointError):
+            read_checkpoint(tmp)
+            os.replace(tmp, run_dir / CHECKPOINT)
+    tmp.unlink(missing_ok=True)
+    errors = []
+    for name in (CHECKPOINT, PREVIOUS):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        try:
+            state = read_checkpoint(path)
+        except CheckpointError as err:
+            errors.append(str(err))
+            continue
+        if errors:
+            warnings.warn(
+                f"{errors[0]}; resuming from the previous checkpoint {path} (step {state['step']})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return state
+    if errors:
+        raise CheckpointError(f"no usable checkpoint in {run_dir}: " + "; ".join(errors))
+    return None
+
+
+# --- resume -----------------------------------------------------------------------------------------
+
+RESUME_SAFE = (
+    "trainer.steps",
+    "trainer.checkpoint_every",
+    "trainer.threads",
+    "trainer.dist_timeout_s",
+    "warmstart.cache_dir",
+    "resume",
+    "resume_force",
+    "logger.",
+    "eval.",  # held-out evaluation never changes training (moe_rl.trainer.evaluate)
+    "trainer.export_hf",
+)
+"""Config fields (or prefixes, ending in ".") that may change on resume: none changes the numbers."""
+
+HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")
+"""Hydra's record of a run (`.hydra/`), kept in each checkpoint: Hydra rewrites it before a resumed job
+starts, so a refused or no-op resume puts the original back."""
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted names of the fields, outside RESUME_SAFE, whose values differ between two configs."""
+    a, b = _flatten(saved), _flatten(current)
+    safe = tuple(RESUME_SAFE)
+    return sorted(
+        k for k in set(a) | set(b) if not (k in safe or k.startswith(safe)) and a.get(k) != b.get(k)
+    )
+
+
+def hydra_files(run_dir: Path) -> dict[str, str]:
+    """The run folder's `.hydra/*.yaml` texts (empty outside Hydra)."""
+    folder = run_dir / ".hydra"
+    return {name: (folder / name).read_text() for name in HYDRA_FILES if (folder / name).is_file()}
+
+
+def restore_hydra_files(run_dir: Path, files: dict[str, str]) -> None:
+    """Put back what `hydra_files` recorded."""
+    for name, text in files.items():
+        (run_dir / ".hydra" / name).write_text(text)
+
+
+def resume_state(run_dir: Path, config: dict[str, Any], *, force: bool) -> dict[str, Any] | None:
+    """The checkpoint to resume from, or None (with a warning) when the folder has none.
+
+    Raises CheckpointError when the folder's checkpoints are unusable, and RunError when the
+    checkpoint's config differs from `config` outside RESUME_SAFE (unless `force`).
+    """
+    state = load_checkpoint(run_dir)
+    if state is None:
+        warnings.warn(f"resume=true, but {run_dir} has no checkpoint: starting fresh", RuntimeWarning, stacklevel=2)
         return None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    diff = config_diff(state["config"], config)
+    if diff and not force:
+        restore_hydra_files(run_dir, state.get("hydra", {}))
+        shown = ", ".join(f"{k} ({_flatten(state['config']).get(k)!r} -> {_flatten(config).get(k)!r})" for k in diff)
+        raise RunError(
+            f"resume=true refused: the config differs from the checkpoint's in {shown}; "
+            "resume with the run's own config, or add resume_force=true to continue anyway"
+        )
+    if diff:
+        warnings.warn(f"resume_force=true: resuming with changed fields {', '.join(diff)}", RuntimeWarning, stacklevel=2)
+    return state
+
+
+def finished_summary(run_dir: Path, state: dict[str, Any], steps: int) -> dict[str, Any] | None:
+    """The run's summary.json if the run already ended at the checkpoint's step (all `steps` done, or
+    stopped on collapse): resuming it has nothing to do. None otherwise."""
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("steps_done") != state["step"]:
+        return None
+    if state["step"] >= steps or summary.get("stopped_on_collapse"):
+        return summary
+    return None

@@ -2,7 +2,7 @@
 
 | kind | fires when |
 |---|---|
-| `nonfinite` | an update's loss or gradient norm is NaN/inf (that update is skipped) |
+| `nonfinite` | in some mini-batches of the step, the loss or gradient norm was NaN/inf (those updates are skipped); one event per step, its `detail` maps each non-finite quantity (`train/loss`, `train/grad_norm`) to the number of mini-batches where it was, `value` is the first non-finite value |
 | `reward_collapse` | after `warmup_steps`, the `reward_window`-step moving average of `rollout/reward/mean` falls below `reward_frac` x its best value so far (and the best is > 0) |
 | `entropy_collapse` | after `warmup_steps`, `rollout/entropy/mean` < `entropy_min` |
 | `ratio_blowup` | `ratio/token/max` > `ratio_max` or `ratio/token/min` < 1 / `ratio_max` in any mini-batch |
@@ -34,6 +34,8 @@ class CollapseEvent:
     kind: str
     value: float
     threshold: float
+    detail: dict[str, int] | None = None
+    """nonfinite only: each non-finite quantity and in how many of the step's mini-batches."""
 
 
 @dataclass
@@ -46,14 +48,23 @@ class CollapseDetector:
     in_reward_collapse: bool = False
     in_entropy_collapse: bool = False
     events: list[CollapseEvent] = field(default_factory=list)
+    nonfinite_counts: dict[str, int] = field(default_factory=dict)
+    """This step's skipped updates so far, by quantity; `observe` turns them into one event."""
+    nonfinite_first: float = math.nan
 
-    def nonfinite(self, step: int, value: float) -> CollapseEvent:
-        """Record a skipped update whose loss or gradient was not finite."""
-        return self._add(CollapseEvent(step, "nonfinite", value, math.inf))
+    def nonfinite(self, step: int, value: float, quantity: str = "train/loss") -> None:
+        """Note a skipped update whose `quantity` (train/loss or train/grad_norm) was `value`, not finite.
+        The step's notes become one `nonfinite` event when `observe` sees the step's metrics."""
+        if not self.nonfinite_counts:
+            self.nonfinite_first = value
+        self.nonfinite_counts[quantity] = self.nonfinite_counts.get(quantity, 0) + 1
 
     def observe(self, step: int, metrics: dict[str, float]) -> list[CollapseEvent]:
         """Check one step's metrics (token-ratio max/min taken over all its mini-batches); return new events."""
         c, new = self.cfg, []
+        if self.nonfinite_counts:
+            detail, self.nonfinite_counts = dict(self.nonfinite_counts), {}
+            new.append(CollapseEvent(step, "nonfinite", self.nonfinite_first, math.inf, detail))
         ratio_max, ratio_min = metrics["ratio/token/max"], metrics["ratio/token/min"]
         if ratio_max > c.ratio_max:
             new.append(CollapseEvent(step, "ratio_blowup", ratio_max, c.ratio_max))

@@ -19,9 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from moe_rl.trainer.logging import CorruptLogError, from_json_number, read_jsonl
 
 COLUMNS = (
     "final reward",
@@ -33,14 +36,46 @@ COLUMNS = (
 )
 
 
+class BrokenRunError(ValueError):
+    """A run folder that cannot be read (no summary.json, a corrupt file); the message names it."""
+
+
 def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
-    """A run's summary.json and its metrics.jsonl rows (NaN/inf come back as floats)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if line:
-            rows.append({k: float(v) if isinstance(v, str) else v for k, v in json.loads(line).items()})
+    """A run's summary.json and its metrics.jsonl rows (NaN/inf come back as floats).
+
+    Raises BrokenRunError naming the folder and the reason when either file is missing or corrupt (a
+    truncated last metrics line is only dropped, with a warning).
+    """
+    if not (run_dir / "summary.json").is_file():
+        reason = "failed.json: the run failed" if (run_dir / "failed.json").exists() else "unfinished or killed"
+        raise BrokenRunError(f"{run_dir}: no summary.json ({reason})")
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        rows = [{k: from_json_number(v) for k, v in r.items()} for r in read_jsonl(run_dir / "metrics.jsonl")]
+    except FileNotFoundError as err:
+        raise BrokenRunError(f"{run_dir}: no {Path(err.filename).name}") from err
+    except (CorruptLogError, ValueError) as err:
+        raise BrokenRunError(f"{run_dir}: {err}") from err
     return summary, rows
+
+
+def run_dirs(sweep_dir: Path) -> list[Path]:
+    """Every run folder under `sweep_dir` (or the folder itself): any with a summary, metrics or failure."""
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"{sweep_dir}: no such folder")
+    found = {p.parent for name in ("summary.json", "metrics.jsonl", "failed.json") for p in sweep_dir.rglob(name)}
+    return sorted(d for d in found if ".hydra" not in d.parts)
+
+
+def read_runs(sweep_dir: Path) -> list[tuple[dict, list[dict]]]:
+    """Every readable run under `sweep_dir`; each broken one is skipped with a warning naming it."""
+    runs = []
+    for run_dir in run_dirs(sweep_dir):
+        try:
+            runs.append(read_run(run_dir))
+        except BrokenRunError as err:
+            warnings.warn(f"skipping {err}", RuntimeWarning, stacklevel=2)
+    return runs
 
 
 def _mean(values: list[float]) -> float:
@@ -71,14 +106,19 @@ def run_row(rows: list[dict]) -> dict[str, float]:
     }
 
 
+def _count(values: list[float]) -> int:
+    return sum(1 for v in values if isinstance(v, float | int) and math.isfinite(v))
+
+
 def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
-    """Per label: the seeds found, each column averaged over them, and (under "ci95") each column's CI half-width."""
+    """Per label: the seeds found, each column averaged over them, (under "ci95") each column's CI
+    half-width, and per column the number of seeds whose value was finite (`n/<column>`): a NaN seed is
+    left out of the mean, the CI and that count."""
     from analysis.stats import mean_ci  # analysis imports this module at load time: import here, not above
 
     by_label: dict[str, list[dict[str, float]]] = defaultdict(list)
     seeds: dict[str, list[int]] = defaultdict(list)
-    for summary_path in sorted(sweep_dir.rglob("summary.json")):
-        summary, rows = read_run(summary_path.parent)
+    for summary, rows in read_runs(sweep_dir):
         if rows:
             by_label[summary["label"]].append(run_row(rows))
             seeds[summary["label"]].append(summary["seed"])
@@ -87,6 +127,7 @@ def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
             "seeds": sorted(seeds[label]),
             **{c: _mean([r[c] for r in runs]) for c in COLUMNS},
             "ci95": {c: mean_ci([r[c] for r in runs]).half for c in COLUMNS},
+            **{f"n/{c}": _count([r[c] for r in runs]) for c in COLUMNS},
         }
         for label, runs in by_label.items()
     }
@@ -104,12 +145,18 @@ def format_cell(mean: float, half: float) -> str:
     return f"{mean:.4g} ± " + (f"{half:.2g}" if math.isfinite(half) else "–")
 
 
+def _cell(row: dict[str, Any], column: str) -> str:
+    """`format_cell`, with "(n of N seeds)" when some seeds had no finite value."""
+    n, total = row.get(f"n/{column}", len(row["seeds"])), len(row["seeds"])
+    return format_cell(row[column], row["ci95"][column]) + (f" ({n} of {total} seeds)" if 0 < n < total else "")
+
+
 def format_table(table: dict[str, dict[str, Any]]) -> str:
     """Markdown table, one row per label: mean ± 95% CI half-width over seeds (Student t), then the note."""
     columns = shown_columns(table)
     lines = ["| run | seeds | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for label, row in sorted(table.items()):
-        cells = [format_cell(row[c], row["ci95"][c]) for c in columns]
+        cells = [_cell(row, c) for c in columns]
         lines.append(f"| {label} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
     lines.append("\nCells: mean over seeds ± 95% CI half-width (Student t, n - 1 dof).")
     return "\n".join(lines)
@@ -139,6 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path)
     args = parser.parse_args()
+    if not args.sweep_dir.is_dir():
+        raise SystemExit(f"moe-rl-compare: {args.sweep_dir}: no such folder")
     table = comparison(args.sweep_dir)
     if not table:
         raise SystemExit(f"no runs with summary.json under {args.sweep_dir}")

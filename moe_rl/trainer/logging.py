@@ -1,9 +1,15 @@
-"""Metric sinks: a local JSONL file always, W&B when enabled. A W&B failure never stops training."""
+"""Metric sinks: a local JSONL file always, W&B when enabled. A W&B failure never stops training.
+
+NaN/inf convention, the same in metrics.jsonl, events.jsonl and summary.json: a non-finite float is
+written as the string "nan", "inf" or "-inf" (`to_json`), so every file is strict JSON (jq, Node's
+JSON.parse); `float(value)` reads such a string back (`from_json_number`).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import uuid
 import warnings
@@ -11,10 +17,54 @@ from pathlib import Path
 from typing import Any
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """`value` with every non-finite float, at any depth, replaced by its string ("nan", "inf", "-inf")."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep them visible as strings
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
     return value
+
+
+def to_json(value: Any, **kwargs: Any) -> str:
+    """Strict JSON (`allow_nan=False`) under the NaN/inf convention of the module docstring."""
+    return json.dumps(jsonable(value), allow_nan=False, **kwargs)
+
+
+def from_json_number(value: Any) -> Any:
+    """A metric value as written by `to_json`: "nan"/"inf"/"-inf" strings back to floats."""
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    return value
+
+
+class CorruptLogError(ValueError):
+    """A line of a JSONL log that is not JSON; the message names the file and the line."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The objects of a JSONL file. A truncated last line (a write cut by a kill) is dropped with a
+    warning naming the file; a corrupt line elsewhere raises CorruptLogError naming file and line."""
+    text = path.read_text(errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1 or all(not rest.strip() for rest in lines[i + 1 :]):
+                warnings.warn(
+                    f"{path}: dropping a truncated last line {i + 1} ({err.msg})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                break
+            raise CorruptLogError(f"{path}, line {i + 1}: not JSON ({err.msg}); fix or delete that line") from err
+    return rows
 
 
 class LocalLog:
@@ -35,18 +85,18 @@ class LocalLog:
         if resume_step is None or not path.exists():
             path.unlink(missing_ok=True)
             return
-        kept = [
-            line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < resume_step
-        ]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = [row for row in read_jsonl(path) if row.get("step", -1) < resume_step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(to_json(row) + "\n" for row in kept))
+        os.replace(tmp, path)  # a kill here leaves the old file or the new one, never half of one
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n")
+            f.write(to_json({"step": step, **metrics}) + "\n")
 
     def event(self, event: dict) -> None:
         with self.events_path.open("a") as f:
-            f.write(json.dumps({k: _jsonable(v) for k, v in event.items()}) + "\n")
+            f.write(to_json(event) + "\n")
 
 
 class NullWandb:
@@ -85,6 +135,7 @@ class Wandb:
         group: str,
         name: str,
         tags: list[str],
+        init_timeout_s: float = 20.0,
     ) -> None:
         import wandb
 
@@ -103,7 +154,9 @@ class Wandb:
             id=run_id,
             resume="allow",
             reinit="create_new",
-            settings=wandb.Settings(silent=True, console="off"),
+            # A server that does not answer (a rejected key, no network) gives up after init_timeout_s
+            # instead of W&B's default 90 s; open_wandb then continues with local logs only.
+            settings=wandb.Settings(silent=True, console="off", init_timeout=init_timeout_s),
         )
         self.failed = False
 
@@ -145,7 +198,8 @@ def open_wandb(run_dir: Path, config: dict, **kwargs: Any) -> Wandb | NullWandb:
     try:
         return Wandb(run_dir, config, **kwargs)
     except Exception as err:  # noqa: BLE001
-        warnings.warn(f"W&B could not start ({err}); training continues with local logs only", stacklevel=2)
+        reason = " ".join(str(err).split())  # one line, whatever W&B's message looks like
+        warnings.warn(f"W&B could not start ({reason}); training continues with local logs only", stacklevel=2)
         return NullWandb()
 
 

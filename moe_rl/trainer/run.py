@@ -14,9 +14,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,12 +24,20 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
+from moe_rl.errors import RunError
 from moe_rl.models import build_model, build_tokenizer
 from moe_rl.routing import RoutingController
 from moe_rl.tasks import make_task
-from moe_rl.trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from moe_rl.trainer.checkpoint import (
+    finished_summary,
+    hydra_files,
+    restore_hydra_files,
+    resume_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from moe_rl.trainer.collapse import CollapseDetector, counts_by_kind
-from moe_rl.trainer.evaluate import evaluate
 from moe_rl.trainer.distributed import (
     Dist,
     check_world,
@@ -40,8 +48,17 @@ from moe_rl.trainer.distributed import (
     state_dicts,
     wrap,
 )
+from moe_rl.trainer.evaluate import evaluate
 from moe_rl.trainer.export import export_policy
-from moe_rl.trainer.logging import CollapseAlerts, LocalLog, NullWandb, open_wandb
+from moe_rl.trainer.logging import (
+    CollapseAlerts,
+    LocalLog,
+    NullWandb,
+    from_json_number,
+    open_wandb,
+    read_jsonl,
+    to_json,
+)
 from moe_rl.trainer.precision import make_optimizer
 from moe_rl.trainer.step import StepContext, rl_step
 from moe_rl.warmstart import warm_start
@@ -151,11 +168,13 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     return ctx, info
 
 
-def _state(ctx: StepContext, next_step: int) -> dict:
+def _state(ctx: StepContext, next_step: int, hydra: dict[str, str]) -> dict:
     """Everything to resume from; under FSDP a collective (the full state dicts are gathered to rank 0)."""
     model_sd, optimizer_sd = state_dicts(ctx.model, ctx.optimizer, ctx.sharded)
     return {
         "step": next_step,
+        "config": dataclasses.asdict(ctx.cfg),  # resume refuses a different config (checkpoint.py)
+        "hydra": hydra,
         "model": model_sd,
         "optimizer": optimizer_sd,
         "scheduler": ctx.scheduler.state_dict(),
@@ -171,6 +190,17 @@ def _restore(ctx: StepContext, state: dict) -> int:
     set_rng_state(state["rng"], {"sample": ctx.sample_gen, "shuffle": ctx.shuffle_gen})
     ctx.sync_sampler()
     return state["step"]
+
+
+def _save(run_dir: Path, state: dict) -> None:
+    """save_checkpoint, with a full or unwritable disk reported in one line."""
+    try:
+        save_checkpoint(run_dir, state)
+    except OSError as err:
+        raise RunError(
+            f"could not write a checkpoint to {run_dir} ({err.strerror or err}); the previous checkpoint "
+            "is intact: free space and resume with resume=true"
+        ) from err
 
 
 class _NullLog:
@@ -189,15 +219,24 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     Under torchrun every rank calls this and gets the same summary; rank 0 writes (module docstring).
     """
     cfg.validate()
+    cfg.check_machine()
     dist, device = init_distributed(cfg.trainer)
     check_world(cfg.trainer, dist.world)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
     run_dir = Path(dist.broadcast(str(run_dir)))  # Hydra's timestamped folder may differ by a second
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Before any compute: a refused resume or an unusable checkpoint stops here in one line.
+    state = resume_state(run_dir, dataclasses.asdict(cfg), force=cfg.resume_force) if cfg.resume else None
+    hydra = state.get("hydra", {}) if state else hydra_files(run_dir)
+    done = finished_summary(run_dir, state, cfg.trainer.steps) if state else None
+    if done is not None:
+        restore_hydra_files(run_dir, hydra)
+        warnings.warn(f"{run_dir} already finished at step {state['step']}: nothing to resume", RuntimeWarning, stacklevel=2)
+        dist.close()
+        return done
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     ctx, info = _context(cfg, dist)
-    state = load_checkpoint(run_dir) if cfg.resume else None
     start = _restore(ctx, state) if state else 0
     local = LocalLog(run_dir, resume_step=start if state else None) if dist.main else _NullLog()
     config_dict = dataclasses.asdict(cfg)
@@ -214,6 +253,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             group=lg.group or wandb_group or cfg.experiment,
             name=f"{run_label(cfg)} seed={cfg.seed}",
             tags=tags,
+            init_timeout_s=lg.init_timeout_s,
         )
     alerts = CollapseAlerts(wb if lg.alerts else NullWandb(), lg.alert_interval_s)
     alerts.tag_past([dataclasses.asdict(e) for e in ctx.detector.events])
@@ -256,9 +296,9 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             or stopped_on
             or (cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0)
         ):
-            state = _state(ctx, step + 1)
+            state = _state(ctx, step + 1, hydra)
             if dist.main:
-                save_checkpoint(run_dir, state)
+                _save(run_dir, state)
             if dist.main and (last or stopped_on or cfg.trainer.export_hf):
                 export_policy(
                     run_dir,
@@ -272,6 +312,9 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         if stopped_on:
             break
     bar.close()
+    if not metrics and dist.main and start > 0:  # nothing left to run: the summary reports the last step
+        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        metrics = {k: from_json_number(v) for k, v in rows[-1].items() if k != "step"} if rows else {}
     summary = {
         "label": run_label(cfg),
         "objective": cfg.objective.preset,
@@ -289,7 +332,9 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         **info,
     }
     if dist.main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        tmp = run_dir / ".summary.json.tmp"
+        tmp.write_text(to_json(summary, indent=2))
+        tmp.replace(run_dir / "summary.json")
     wb.summary({"stopped_on_collapse": bool(stopped_on), "collapse/total": len(ctx.detector.events)})
     wb.finish()
     # DDP's reducer holds the process group: free it first, or the group could go with the reducer, whose

@@ -317,7 +317,7 @@ def _update(
     # Every rank must skip or take the update alike (a backward is a collective): decide on the sum.
     loss_sum = ctx.dist.sum([metrics["train/loss"]])[0]
     if not math.isfinite(loss_sum):
-        ctx.detector.nonfinite(step, loss_sum / ctx.dist.world)
+        ctx.detector.nonfinite(step, loss_sum / ctx.dist.world, "train/loss")
         return metrics, change
     ctx.dist.collective(loss.backward)  # DDP and FSDP reduce gradients across ranks in backward
     norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), cfg.trainer.grad_clip)
@@ -326,7 +326,7 @@ def _update(
     if math.isfinite(grad_norm):
         ctx.optimizer.step()
     else:
-        ctx.detector.nonfinite(step, grad_norm)
+        ctx.detector.nonfinite(step, grad_norm, "train/grad_norm")
     ctx.optimizer.zero_grad(set_to_none=True)
     ctx.scheduler.step()
     return metrics, change

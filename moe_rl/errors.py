@@ -1,0 +1,23 @@
+"""Errors a user can act on: the console commands print their message as one line, without a traceback."""
+
+from __future__ import annotations
+
+import errno
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+"""OSError numbers that mean "the disk is full or not writable": reported in one line, not a traceback."""
+
+
+class RunError(RuntimeError):
+    """A run cannot go on for a reason outside the code (a corrupt checkpoint, a refused resume, an
+    unusable cache); the message says what to do."""
+
+
+def one_line(err: BaseException) -> str | None:
+    """The one-line message of a user-actionable error, or None for a bug (which keeps its traceback)."""
+    if isinstance(err, RunError):
+        return str(err)
+    if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
+        where = f" ({err.filename})" if err.filename else ""
+        return f"cannot write{where}: {err.strerror or err}"
+    return None

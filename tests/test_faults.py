@@ -1,0 +1,411 @@
+"""Fault injection (slow): kill -9 at seeded points, corrupted artifacts, a full disk, a malicious
+checkpoint, a failing sweep cell, a killed warm-start builder, an unreachable W&B server.
+
+Each case records what the user saw and what survived; `pytest -m slow tests/test_faults.py
+--reliability-report docs/reliability.md` writes that table (see conftest.py).
+"""
+
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import TINY, compose_config
+
+from moe_rl.errors import RunError, one_line
+from moe_rl.trainer.checkpoint import CHECKPOINT, MAGIC, PREVIOUS, TMP, CheckpointError
+from moe_rl.trainer.run import train
+from moe_rl.warmstart import WarmStartConfig, warm_start_dir
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+STEPS = 6
+KILLS = 10
+
+CHILD = r"""
+import hashlib, io, os, signal, sys
+import torch
+point, argv = sys.argv[1], sys.argv[2:]
+kind, _, arg = point.partition(":")
+at = int(arg.split(",")[0]) if arg else -1
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+import moe_rl.trainer.checkpoint as ck
+import moe_rl.trainer.logging as lg
+import moe_rl.trainer.run as run
+if kind == "metrics":  # after step k's metrics line, or halfway through writing it
+    log = lg.LocalLog.log
+    def patched(self, s, metrics):
+        if s == at and arg.endswith("half"):
+            line = lg.to_json({"step": s, **metrics})
+            with self.metrics_path.open("a") as f:
+                f.write(line[: len(line) // 2])
+            die()
+        log(self, s, metrics)
+        if s == at:
+            die()
+    lg.LocalLog.log = patched
+elif kind == "ckpt":  # inside the write of the checkpoint after step k: a partial temp file, or between renames
+    save, frac = run.save_checkpoint, float(arg.split(",")[2]) if arg.count(",") == 2 else 0.5
+    def patched(run_dir, state):
+        if state["step"] != at + 1:
+            return save(run_dir, state)
+        buf = io.BytesIO(); torch.save(state, buf); payload = buf.getvalue()
+        data = ck.MAGIC + hashlib.sha256(payload).digest() + payload
+        if arg.split(",")[1] == "tmp":
+            (run_dir / ck.TMP).write_bytes(data[: int(len(data) * frac)]); die()
+        (run_dir / ck.TMP).write_bytes(data); os.replace(run_dir / ck.CHECKPOINT, run_dir / ck.PREVIOUS); die()
+    run.save_checkpoint = patched
+elif kind == "wandb":  # inside W&B's log of step k (its offline writer flushing)
+    log = lg.Wandb.log
+    def patched(self, metrics, step):
+        log(self, metrics, step=step)
+        if step == at:
+            die()
+    lg.Wandb.log = patched
+elif kind == "summary":  # after summary.json is written
+    run.NullWandb.summary = lambda self, values: die()
+sys.argv = ["moe-rl-train", *argv]
+from moe_rl.train import main
+main()
+"""
+
+
+def _overrides(warm: list[str], run_dir: Path, *extra: str) -> list[str]:
+    return ["objective=grpo", *TINY, *warm, f"trainer.steps={STEPS}", "trainer.checkpoint_every=1",
+            "logger.wandb=false", *extra, f"hydra.run.dir={run_dir}"]
+
+
+def _launch(point: str, args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CHILD, point, *args], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env=ENV)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+
+
+def _same_metrics(a: list[dict], b: list[dict]) -> bool:
+    a, b = _comparable(a), _comparable(b)
+    return [r["step"] for r in a] == [r["step"] for r in b] and all(
+        x.keys() == y.keys() and all(_close(x[k], y[k]) for k in x) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _close(x, y) -> bool:
+    if isinstance(x, str) or isinstance(y, str):
+        return x == y
+    return math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _seen(text: str, tmp_path: Path) -> str:
+    """The messages a user saw (moe-rl-train errors and warnings, without the warning's source location),
+    each once, with the test's folder shortened to RUN."""
+    keep: list[str] = []
+    for line in text.splitlines():
+        match = re.search(r"(moe-rl-train: .*|(?<=Warning: ).*)", line.strip())
+        if match and match.group(1).strip() not in keep:
+            keep.append(match.group(1).strip())
+    return " / ".join(keep).replace(str(tmp_path), "RUN").replace(str(REPO), "REPO") or "(nothing)"
+
+
+def _kill_points(seed: int = 0) -> list[str]:
+    """KILLS seeded kill points in the order a run reaches them; the last one lands after summary.json."""
+    rng = random.Random(seed)
+    kinds = ["metrics:{},half", "metrics:{}", "wandb:{}", "ckpt:{},tmp,{:.2f}", "ckpt:{},rename"]
+    candidates = [(s, i) for s in range(STEPS) for i in range(len(kinds))]
+    chosen = sorted(rng.sample(candidates, KILLS - 1))
+    return [kinds[i].format(s, rng.random()) for s, i in chosen] + ["summary"]
+
+
+def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted_run(tmp_path, warm_overrides, fault_report):
+    """Ten SIGKILLs (mid-metrics-line, mid-checkpoint, between renames, in W&B, after the summary), each followed
+    by resume=true, leave each step once in metrics.jsonl, equal to an uninterrupted run, and the final summary."""
+    cfg = compose_config(_overrides(warm_overrides, tmp_path / "unused")[:-1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the launched runs (OMP_NUM_THREADS=1): float sums depend on it
+    try:
+        train(cfg, tmp_path / "full")
+    finally:
+        torch.set_num_threads(threads)
+    run_dir, seen = tmp_path / "killed", []
+    points = _kill_points()
+    for i, point in enumerate(points):
+        extra = ["logger.wandb=true"] if point.startswith("wandb") else []
+        proc = _launch(point, _overrides(warm_overrides, run_dir, *extra, *(["resume=true"] if i else [])))
+        assert proc.returncode == -signal.SIGKILL, f"{point}: {proc.stderr[-2000:]}"
+        seen.append(_seen(proc.stderr, tmp_path))
+    final = _launch("none", _overrides(warm_overrides, run_dir, "resume=true"))
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert "already finished" in final.stderr
+    assert _same_metrics(_rows(run_dir), _rows(tmp_path / "full"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last = {k: v for k, v in _rows(run_dir)[-1].items() if k != "step" and isinstance(v, float)}
+    assert summary["steps_done"] == STEPS and summary["final"].keys() == last.keys()
+    fault_report(
+        f"kill -9 at {KILLS} seeded points, each then `resume=true` (listed as kill point -> what the next "
+        "resume printed)",
+        "; ".join(f"{p} -> {m}" for p, m in zip(points, [*seen[1:], _seen(final.stderr, tmp_path)], strict=True)),
+        f"metrics.jsonl holds steps 0..{STEPS - 1} once each, equal to an uninterrupted run to 1e-9; summary.json "
+        "holds the final metrics",
+    )
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, warm_overrides):
+    """A finished 3-step run folder (checkpoints after every step) and its config, copied by each case."""
+    folder = tmp_path_factory.mktemp("finished")
+    cfg = compose_config(["objective=grpo", *TINY, *warm_overrides, "trainer.steps=3", "trainer.checkpoint_every=1",
+                          "logger.wandb=false"])
+    train(cfg, folder / "run")
+    return folder / "run", cfg
+
+
+def _copy(finished, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished[0], run_dir)
+    return run_dir
+
+
+def _train_catching(cfg, run_dir: Path):
+    """train(), returning (summary or None, the one-line error or None, the warnings' messages)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            summary, error = train(cfg, run_dir), None
+        except Exception as err:  # noqa: BLE001 - the case asserts which
+            summary, error = None, one_line(err)
+            assert error is not None, f"not a one-line error: {err!r}"
+    return summary, error, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def _garble(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = os.urandom(64)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["latest", "both", "metrics_last_line", "finished_resume", "changed_config"])
+def test_corrupted_artifact_resumes_or_stops_in_one_line_and_loses_nothing(tmp_path, finished, fault_report, case):
+    """Each corruption resumes with a message naming what it fell back from, or stops with one line; rows kept."""
+    run_dir = _copy(finished, tmp_path)
+    cfg = replace(finished[1], resume=True, trainer=replace(finished[1].trainer, steps=4))
+    before = _rows(run_dir)
+    if case == "latest":
+        _garble(run_dir / CHECKPOINT)
+    elif case == "both":
+        (run_dir / CHECKPOINT).write_bytes((run_dir / CHECKPOINT).read_bytes()[:1000])
+        _garble(run_dir / PREVIOUS)
+    elif case == "metrics_last_line":
+        text = (run_dir / "metrics.jsonl").read_text()
+        (run_dir / "metrics.jsonl").write_text(text + text.splitlines()[-1][:40])
+    elif case == "finished_resume":
+        cfg = replace(cfg, trainer=finished[1].trainer)
+    else:
+        cfg = replace(cfg, seed=5, objective=replace(cfg.objective, clip_high=0.5))
+    summary_before = (run_dir / "summary.json").read_text()
+    summary, error, warned = _train_catching(cfg, run_dir)
+    seen = " / ".join([*warned, *([error] if error else [])]).replace(str(tmp_path), "RUN")
+    if case == "latest":
+        assert summary["steps_done"] == 4 and any("resuming from the previous checkpoint" in w for w in warned)
+        assert [r["step"] for r in _rows(run_dir)] == [0, 1, 2, 3] and _rows(run_dir)[:2] == before[:2]
+        what, kept = "latest checkpoint garbled", "steps before the previous checkpoint; the run goes on from it"
+    elif case == "both":
+        assert error and "no usable checkpoint" in error and CHECKPOINT in error and PREVIOUS in error
+        assert _rows(run_dir) == before
+        what, kept = "both checkpoints truncated/garbled", "metrics.jsonl, events.jsonl and summary.json unchanged"
+    elif case == "metrics_last_line":
+        assert any("metrics.jsonl: dropping a truncated last line" in w for w in warned)
+        assert [r["step"] for r in _rows(run_dir)] == [0, 1, 2, 3] and _rows(run_dir)[:3] == before
+        what, kept = "half-written last line of metrics.jsonl", "every complete line; the run goes on"
+    elif case == "finished_resume":
+        assert (run_dir / "summary.json").read_text() == summary_before and summary["final"]
+        assert any("already finished" in w for w in warned)
+        what, kept = "`resume=true` on a finished run", "summary.json byte for byte (final metrics intact)"
+    else:
+        assert error and "objective.clip_high (0.27 -> 0.5), seed (0 -> 5)" in error and _rows(run_dir) == before
+        what, kept = "`resume=true` with a changed config (objective, seed)", "the whole folder, .hydra/ included"
+    fault_report(what, seen, kept)
+
+
+def test_malicious_checkpoint_does_not_execute(tmp_path, finished, fault_report):
+    """A pickle payload in checkpoint.pt (valid checksum) and checkpoint.prev.pt (old format) never runs on resume."""
+    run_dir = _copy(finished, tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    buf = io.BytesIO()
+    torch.save({"step": 1, "x": Payload()}, buf)
+    blob = buf.getvalue()
+    (run_dir / CHECKPOINT).write_bytes(MAGIC + hashlib.sha256(blob).digest() + blob)
+    (run_dir / PREVIOUS).write_bytes(blob)
+    _, error, _ = _train_catching(replace(finished[1], resume=True), run_dir)
+    assert error and "could not be loaded safely" in error and not marker.exists()
+    fault_report("shell-command pickle in checkpoint.pt and checkpoint.prev.pt", error.replace(str(tmp_path), "RUN"),
+                 "nothing executed; the folder is unchanged")
+
+
+def test_full_disk_fails_in_one_line_and_keeps_previous_checkpoint(tmp_path, finished, fault_report):
+    """A checkpoint write into a full disk (/dev/full) stops in one line; the last checkpoint is intact and loads."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    run_dir = _copy(finished, tmp_path)
+    before = (run_dir / CHECKPOINT).read_bytes()
+    (run_dir / TMP).symlink_to("/dev/full")
+    orig = run_dir / TMP
+
+    # load_checkpoint removes a stale temp file on resume; put the full-disk link back after it did.
+    cfg = replace(finished[1], resume=True, trainer=replace(finished[1].trainer, steps=4))
+    import moe_rl.trainer.run as run_mod
+
+    restore = run_mod.LocalLog.__init__
+
+    def relink(self, run_dir_, resume_step):
+        restore(self, run_dir_, resume_step)
+        if not orig.is_symlink():
+            orig.symlink_to("/dev/full")
+
+    run_mod.LocalLog.__init__ = relink
+    try:
+        _, error, _ = _train_catching(cfg, run_dir)
+    finally:
+        run_mod.LocalLog.__init__ = restore
+    assert error and "No space left on device" in error and "previous checkpoint is intact" in error
+    assert (run_dir / CHECKPOINT).read_bytes() == before and not orig.exists()
+    fault_report("disk full during a checkpoint write (`/dev/full`)", error.replace(str(tmp_path), "RUN"),
+                 "checkpoint.pt byte for byte; no temporary file left")
+
+
+def test_corrupt_warm_start_cache_entry_is_rebuilt(tmp_path, fault_report):
+    """A garbled model.safetensors in the warm-start cache is rebuilt with a warning; the run then trains."""
+    cfg = compose_config([*TINY, "trainer.steps=1", "logger.wandb=false", "warmstart.target_low=0.0",
+                          "warmstart.target_high=1.0", "warmstart.eval_size=8", f"warmstart.cache_dir={tmp_path / 'ws'}"])
+    train(cfg, tmp_path / "a")
+    entry = Path(json.loads((tmp_path / "a" / "summary.json").read_text())["warmstart_path"])
+    _garble(entry / "model.safetensors")
+    summary, error, warned = _train_catching(cfg, tmp_path / "b")
+    assert error is None and summary["steps_done"] == 1 and any("corrupt or incomplete: rebuilding" in w for w in warned)
+    fault_report("garbled `model.safetensors` in the warm-start cache",
+                 " / ".join(warned).replace(str(tmp_path), "RUN"), "the entry is rebuilt (same key); the run trains")
+
+
+def test_sweep_with_one_bad_cell_keeps_the_others_and_exits_non_zero(tmp_path, warm_overrides, fault_report):
+    """A 4-job sweep whose third cell has trainer.lr=nan: three jobs finish, the bad one leaves failed.json, exit != 0."""
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, "-m", "moe_rl.train", "-m", "objective=grpo", *TINY, *warm_overrides, "trainer.steps=1", "logger.wandb=false",
+            "trainer.lr=1e-4,2e-4,nan,3e-4", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode != 0
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    done = [j for j in jobs if (j / "summary.json").exists()]
+    failed = [j for j in jobs if (j / "failed.json").exists()]
+    assert len(done) == 3 and [j.name for j in failed] == ["2"]
+    assert "trainer.lr=nan" in json.loads((failed[0] / "failed.json").read_text())["error"]
+    fault_report("4-job sweep, one cell with `trainer.lr=nan`",
+                 next(line for line in proc.stderr.splitlines() if line.startswith("moe-rl-train:")),
+                 "the 3 good jobs' folders and summaries; `failed.json` in the bad one; exit status non-zero")
+
+
+BUILDER = """
+import sys
+from moe_rl.models import ModelConfig
+from moe_rl.warmstart import WarmStartConfig, warm_start
+cfg = WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=512, cache_dir=sys.argv[1])
+print("ready", flush=True)
+r = warm_start(ModelConfig(), "arithmetic", 1, cfg, seed=0, progress=False)
+print("cached" if r.cached else "built", flush=True)
+"""
+
+
+def _lock_holder(lock: Path) -> int | None:
+    """The pid holding an flock on `lock`, from /proc/locks."""
+    if not lock.exists():
+        return None
+    inode = f":{lock.stat().st_ino} "
+    for line in Path("/proc/locks").read_text().splitlines():
+        if "FLOCK" in line and inode in line and "->" not in line:
+            return int(line.split()[4])
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux /proc/locks to find the lock holder")
+def test_killed_warm_start_builder_leaves_the_other_to_build_one_result(tmp_path, fault_report):
+    """Two processes build one warm start; the one holding the lock is SIGKILLed: the other builds it, once, whole."""
+    cfg = WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=512, cache_dir=str(tmp_path))
+    from moe_rl.models import ModelConfig
+
+    final = warm_start_dir(ModelConfig(), "arithmetic", 1, cfg, 0)
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env=ENV) for _ in range(2)]
+    assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+    deadline, holder = time.monotonic() + 120, None
+    while holder is None and time.monotonic() < deadline:
+        holder = _lock_holder(Path(f"{final}.lock"))
+        time.sleep(0.01)
+    killed = next(p for p in procs if p.pid == holder)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    survivor = next(p for p in procs if p is not killed)
+    out = survivor.communicate(timeout=600)[0].split()
+    assert survivor.returncode == 0 and out[-1] in ("built", "cached")
+    assert (final / "warmstart.json").is_file() and not list(tmp_path.glob(".*.tmp-*"))
+    fault_report("two runs build one warm start; the builder is killed -9 mid-build",
+                 f"the other process takes the lock and {'builds' if out[-1] == 'built' else 'loads'} the entry",
+                 "one complete, checksummed cache entry; no temporary directory left")
+
+
+def test_unreachable_wandb_server_gives_up_within_the_timeout(tmp_path, fault_report):
+    """An online W&B start against a server that does not answer gives up after init_timeout_s with one warning."""
+    code = (
+        "import sys, time, warnings; from pathlib import Path\n"
+        "from moe_rl.trainer.logging import open_wandb\n"
+        "t = time.perf_counter()\n"
+        "wb = open_wandb(Path(sys.argv[1]), {}, mode='online', project='p', entity=None, group='g', name='n',"
+        " tags=[], init_timeout_s=3.0)\n"
+        "print(type(wb).__name__, time.perf_counter() - t)\n"
+    )
+    env = {**ENV, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40, "WANDB_MODE": "online"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=REPO)
+    name, seconds = proc.stdout.split()
+    assert name == "NullWandb" and float(seconds) < 30, proc.stderr  # W&B's own default waits 90 s
+    warning = next(line for line in proc.stderr.splitlines() if "W&B could not start" in line)
+    fault_report("W&B server not answering (`logger.init_timeout_s=3`)",
+                 re.sub(r"^.*UserWarning: ", "", warning) + f" (after {float(seconds):.0f} s)",
+                 "training goes on with local logs only")
+
+
+def test_both_checkpoints_corrupt_is_one_line_on_the_console(tmp_path, finished, fault_report):
+    """Through moe-rl-train, an unusable checkpoint pair exits 1 with one stderr line naming both files."""
+    run_dir = _copy(finished, tmp_path)
+    for name in (CHECKPOINT, PREVIOUS):
+        (run_dir / name).write_bytes(b"\x00" * 100)
+    args = [sys.executable, "-m", "moe_rl.train", "objective=grpo", *TINY, "trainer.steps=3", "trainer.checkpoint_every=1",
+            "logger.wandb=false", "resume=true", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=ENV)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and "no usable checkpoint" in lines[0], proc.stderr[-2000:]
+    assert isinstance(CheckpointError("x"), RunError)
+    fault_report("both checkpoints zeroed, through `moe-rl-train resume=true`", lines[0].replace(str(tmp_path), "RUN"),
+                 "exit status 1, the folder unchanged")
