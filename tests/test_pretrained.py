@@ -148,3 +148,37 @@ def test_replay_through_trainer_under_gradient_checkpointing(tmp_path, warm_over
         runs[ckpt] = (summary, _read_metrics(tmp_path / str(ckpt)))
     assert runs[True][0]["final"]["train/grad_norm"] > 0
     assert _comparable(runs[True][1]) == _comparable(runs[False][1])
+
+
+def test_sigmoid_gated_pretrained_model_is_refused_at_start_up(tmp_path):
+    """`model.pretrained=` of a sigmoid-gated family (a MiniMax-M2 saved here) exits at start-up with one
+    line naming its router, before any RL step is logged: replay would otherwise use wrong gates."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    tokenizer = build_tokenizer()
+    cfg = transformers.MiniMaxM2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2,
+        rotary_dim=8, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.mlp.gate.weight.normal_(0, 1.0)
+    model.save_pretrained(tmp_path / "minimax")
+    tokenizer.save_pretrained(tmp_path / "minimax")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_rl.train", f"model.pretrained={tmp_path / 'minimax'}", "model.family=qwen3_moe",
+         "warmstart.enabled=false", "logger=none", "logger.progress=false", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Loading weights" not in line]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert len(lines) == 1 and "MiniMaxM2TopKRouter" in lines[0], proc.stderr[-2000:]
+    assert not (run_dir / "metrics.jsonl").exists()

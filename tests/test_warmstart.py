@@ -299,3 +299,24 @@ def test_failed_build_leaves_no_lock_behind(tmp_path):
     with pytest.raises(RuntimeError, match="warmstart.max_steps=1"):
         warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_warm_start_loss_adds_the_load_balancing_loss(tokenizer):
+    """With model.router_aux_loss_coef = c > 0 the warm start's loss is the response cross-entropy plus c x
+    the family's load-balancing loss; with c = 0 it is the cross-entropy alone."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from moe_rl.models import ModelConfig, build_model
+    from moe_rl.tasks import make_task
+    from moe_rl.warmstart import demonstration_batch, demonstration_loss
+
+    task = make_task("arithmetic", 1)
+    batch = demonstration_batch(tokenizer, task, task.examples("train", 4, seed=0))
+    plain = demonstration_loss(build_model(ModelConfig(), tokenizer), *batch)
+    model = build_model(ModelConfig(router_aux_loss_coef=0.5), tokenizer)
+    with_aux = demonstration_loss(model, *batch)
+    ids, mask, _ = batch
+    out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], output_router_logits=True)
+    aux = load_balancing_loss_func(out.router_logits, model.config.num_experts, model.config.num_experts_per_tok,
+                                   mask[:, :-1])
+    torch.testing.assert_close(with_aux, plain + 0.5 * aux)

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from moe_rl.errors import RunError
 from moe_rl.routing.trace import RoutingTrace, ids_dtype, token_digest
 
 # Shape legend: B rows, T tokens per row, N = B*T flattened tokens, K top-k, E experts, L layers.
@@ -49,8 +50,9 @@ class RoutingReplayError(RuntimeError):
     """A replay trace does not match the forward it is replayed on."""
 
 
-class UnsupportedRouterError(ValueError):
-    """A router whose gates the controller cannot rebuild from expert ids (replay would use wrong gates)."""
+class UnsupportedRouterError(RunError, ValueError):
+    """A router whose gates the controller cannot rebuild from expert ids (replay would use wrong gates);
+    `moe-rl-train` prints it as one line."""
 
 
 def replay_gates(module: nn.Module, logits_NE: torch.Tensor, ids_NK: torch.Tensor) -> torch.Tensor:
