@@ -8,6 +8,7 @@ from test_train import TINY, compose_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import moe_rl.trainer.run as run_module
+from moe_rl.trainer.checkpoint import read_checkpoint
 from moe_rl.trainer.export import export_policy
 from moe_rl.trainer.run import _context, train
 from moe_rl.trainer.step import rl_step
@@ -53,7 +54,7 @@ def test_run_writes_policy_equal_to_its_last_checkpoint(tmp_path, monkeypatch):
     exports = _spy_exports(monkeypatch)
     summary = train(compose_config([*BASE, "trainer.checkpoint_every=1"]), tmp_path)
     assert exports == [2]
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["model"]
+    state = read_checkpoint(tmp_path / "checkpoint.pt")["model"]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
     assert loaded.keys() == state.keys()
     for key, value in state.items():
@@ -81,11 +82,11 @@ def test_pretrained_policy_continues_training(tmp_path, warm_overrides):
     policy = tmp_path / "first" / "policy"
     cfg = compose_config([*BASE, f"model.pretrained={policy}"])
     ctx, _ = _context(cfg)
-    exported = torch.load(tmp_path / "first" / "checkpoint.pt", weights_only=False)["model"]
+    exported = read_checkpoint(tmp_path / "first" / "checkpoint.pt")["model"]
     for key, value in ctx.model.state_dict().items():
         assert torch.equal(value, exported[key]), key
     train(cfg, tmp_path / "second")
     rows = [json.loads(line) for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["rollout/reward/mean"] > 0, "a model built from config has reward 0 on this task"
-    trained = torch.load(tmp_path / "second" / "checkpoint.pt", weights_only=False)["model"]
+    trained = read_checkpoint(tmp_path / "second" / "checkpoint.pt")["model"]
     assert any(not torch.equal(trained[k], exported[k]) for k in exported), "the second run did not train"
