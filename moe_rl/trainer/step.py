@@ -38,6 +38,7 @@ from moe_rl.config import Config
 from moe_rl.objectives import OBJECTIVES, group_advantages
 from moe_rl.rollout import Rollout, response_logprobs_and_aux, sample
 from moe_rl.routing import (
+    Drift,
     RoutingController,
     RoutingReplayError,
     RoutingTrace,
@@ -239,6 +240,30 @@ def _drifting(ctx: StepContext, step: int, minibatch: int):
     return ctx.controller.drift(r.drift, g)
 
 
+def _routing_change(
+    ctx: StepContext,
+    batch: Batch,
+    sl: slice,
+    used: RoutingTrace,
+    old_trace: RoutingTrace,
+    drift: Drift | None,
+) -> dict[str, list[float]]:
+    """A mini-batch's routing change (see `_update`): `used` is the routing its update forward used absent
+    replay, `drift` the drift context it ran under (None when it did not drift)."""
+    valid_bS1 = batch.valid_BS1[sl]
+    change = {
+        "layers": expert_change_by_layer(used, old_trace, valid_bS1).tolist(),
+        "response": [expert_change_fraction(used, old_trace, _response_positions(batch, sl))],
+    }
+    if batch.sampler_trace is not None:
+        change["rollout"] = [expert_change_fraction(batch.sampler_trace.rows(sl), used, valid_bS1)]
+    if ctx.cfg.routing.drift > 0:
+        slots = float(valid_bS1.sum()) * ctx.controller.num_layers
+        swapped = 0.0 if drift is None else float(drift.applied_BTL[valid_bS1.cpu()].sum())
+        change["drift"] = [swapped, slots]
+    return change
+
+
 def _update(
     ctx: StepContext,
     step: int,
@@ -274,17 +299,7 @@ def _update(
         logp_bR, aux_loss = response_logprobs_and_aux(
             ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0
         )
-    valid_bS1 = batch.valid_BS1[sl]
-    change = {
-        "layers": expert_change_by_layer(rec.trace, old_trace, valid_bS1).tolist(),
-        "response": [expert_change_fraction(rec.trace, old_trace, _response_positions(batch, sl))],
-    }
-    if batch.sampler_trace is not None:
-        change["rollout"] = [expert_change_fraction(batch.sampler_trace.rows(sl), rec.trace, valid_bS1)]
-    if cfg.routing.drift > 0:
-        slots = float(valid_bS1.sum()) * ctx.controller.num_layers
-        swapped = 0.0 if drift is None else float(drift.applied_BTL[valid_bS1.cpu()].sum())
-        change["drift"] = [swapped, slots]
+    change = _routing_change(ctx, batch, sl, rec.trace, old_trace, drift)
     ref_logp = None
     if ctx.ref_model is not None:
         with torch.no_grad():
