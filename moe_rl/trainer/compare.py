@@ -106,10 +106,6 @@ def run_row(rows: list[dict]) -> dict[str, float]:
     }
 
 
-def _count(values: list[float]) -> int:
-    return sum(1 for v in values if isinstance(v, float | int) and math.isfinite(v))
-
-
 def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
     """Per label: the seeds found, each column averaged over them, (under "ci95") each column's CI
     half-width, and per column the number of seeds whose value was finite (`n/<column>`): a NaN seed is
@@ -122,15 +118,16 @@ def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
         if rows:
             by_label[summary["label"]].append(run_row(rows))
             seeds[summary["label"]].append(summary["seed"])
-    return {
-        label: {
+    table = {}
+    for label, runs in by_label.items():
+        cis = {c: mean_ci([r[c] for r in runs]) for c in COLUMNS}
+        table[label] = {
             "seeds": sorted(seeds[label]),
-            **{c: _mean([r[c] for r in runs]) for c in COLUMNS},
-            "ci95": {c: mean_ci([r[c] for r in runs]).half for c in COLUMNS},
-            **{f"n/{c}": _count([r[c] for r in runs]) for c in COLUMNS},
+            **{c: ci.mean for c, ci in cis.items()},
+            "ci95": {c: ci.half for c, ci in cis.items()},
+            **{f"n/{c}": ci.n for c, ci in cis.items()},
         }
-        for label, runs in by_label.items()
-    }
+    return table
 
 
 def shown_columns(table: dict[str, dict[str, Any]]) -> list[str]:

@@ -36,7 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
 from moe_rl.objectives import OBJECTIVES, group_advantages
-from moe_rl.rollout import Rollout, response_logprobs_and_aux, sample
+from moe_rl.rollout import Rollout, response_logprobs, response_logprobs_and_aux, sample
 from moe_rl.routing import (
     Drift,
     RoutingController,
@@ -206,14 +206,15 @@ def _old_policy(
     for sl in slices:
         replay = _sampler_trace(batch, sl) if ctx.cfg.routing.replay == "rollout" else None
         with ctx.controller.record(with_logits=True) as rec, _replaying(ctx, replay):
-            logp_bR, _ = response_logprobs_and_aux(
-                ctx.model,
-                batch.input_ids_BS[sl],
-                batch.attention_mask_BS[sl],
-                R,
-                ctx.cfg.sampler.temperature or 1.0,
+            logps.append(
+                response_logprobs(
+                    ctx.model,
+                    batch.input_ids_BS[sl],
+                    batch.attention_mask_BS[sl],
+                    R,
+                    ctx.cfg.sampler.temperature or 1.0,
+                )
             )
-            logps.append(logp_bR)
         traces.append(rec.trace)
     return logps, traces
 
@@ -303,7 +304,7 @@ def _update(
     ref_logp = None
     if ctx.ref_model is not None:
         with torch.no_grad():
-            ref_logp, _ = response_logprobs_and_aux(ctx.ref_model, ids_bS, attn_bS, R, temperature)
+            ref_logp = response_logprobs(ctx.ref_model, ids_bS, attn_bS, R, temperature)
     o = cfg.objective
     loss, metrics = OBJECTIVES[o.name](
         logp_bR,
