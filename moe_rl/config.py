@@ -115,6 +115,11 @@ class TrainerConfig:
     """G: completions per prompt; advantages are relative within a group."""
     mini_batches: int = 4
     """M: optimizer steps per RL step; only the first is on-policy (paper: 4)."""
+    group_minibatches: bool = False
+    """False (default): each mini-batch takes rows from every group, so later mini-batches hold siblings
+    (often identical responses) of rows just trained on (`minibatch/sibling_frac`, `duplicate_frac`).
+    True: each mini-batch holds whole groups (P / M of them), as a contiguous split of a group-ordered
+    batch does (verl's `ppo_mini_batch_size` counts prompts x n). Needs M to divide prompts_per_step."""
     lr: float = 1e-4
     """AdamW peak learning rate."""
     warmup_steps: int = 2
@@ -167,7 +172,7 @@ class CollapseConfig:
     entropy_min: float = 0.02
     """Entropy collapse: mean sampler token entropy (nats) below this."""
     ratio_max: float = 1e3
-    """Ratio blow-up: a token ratio above ratio_max or below 1 / ratio_max."""
+    """Ratio blow-up: the ratio the objective uses (token or sequence) above ratio_max or below 1 / ratio_max."""
     stop_on_collapse: bool = False
     """Stop the run at the first collapse event; the summary says so."""
 
@@ -298,6 +303,11 @@ class Config:
         if t.group_size < 2:
             raise ValueError(
                 f"trainer.group_size={t.group_size}: must be >= 2 (advantages are group-relative)"
+            )
+        if t.group_minibatches and t.prompts_per_step % t.mini_batches:
+            raise ValueError(
+                f"trainer.group_minibatches=true needs trainer.mini_batches={t.mini_batches} to divide "
+                f"trainer.prompts_per_step={t.prompts_per_step} (each mini-batch holds whole groups)"
             )
         if (t.prompts_per_step * t.group_size) % t.mini_batches:
             raise ValueError(

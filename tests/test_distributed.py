@@ -51,6 +51,23 @@ def test_minibatches_split_evenly_over_ranks():
             assert counts.tolist() == [B // (M * world)] * M
 
 
+def test_group_minibatches_hold_whole_groups_and_unit_one_is_unchanged():
+    """With unit = G every group lies whole in one mini-batch, each holding P / M groups and any rank owning
+    whole runs an equal share; unit = 1 draws exactly the rows it always drew."""
+    P, G, M = 8, 4, 4
+    rows_MC = minibatch_rows(P * G, M, torch.Generator().manual_seed(0), unit=G)
+    assert sorted(rows_MC.flatten().tolist()) == list(range(P * G))
+    groups_M = [set((rows_MC[j] // G).tolist()) for j in range(M)]
+    assert all(len(g) == P // M for g in groups_M) and set().union(*groups_M) == set(range(P))
+    for world in (1, 2):
+        for rank in range(world):
+            lo, hi = rank * P * G // world, (rank + 1) * P * G // world
+            assert ((rows_MC >= lo) & (rows_MC < hi)).sum(1).tolist() == [P * G // (M * world)] * M
+    order_CM = torch.rand(P * G // M, M, generator=torch.Generator().manual_seed(0)).argsort(dim=1)
+    legacy = (order_CM + torch.arange(0, P * G, M).unsqueeze(1)).T
+    assert torch.equal(minibatch_rows(P * G, M, torch.Generator().manual_seed(0)), legacy)
+
+
 def test_sampler_rows_reproduce_the_whole_batch(tokenizer):
     """Sampling two halves of a batch (rows=...) gives the same completions as sampling it whole."""
     model = build_model(ModelConfig(num_layers=2), tokenizer)

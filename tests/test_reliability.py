@@ -231,11 +231,31 @@ def test_nonfinite_updates_make_one_event_per_step_naming_quantities():
     det.nonfinite(3, math.nan, "train/loss")
     det.nonfinite(3, math.inf, "train/grad_norm")
     det.nonfinite(3, math.nan, "train/loss")
-    metrics = {"ratio/token/max": 1.0, "ratio/token/min": 1.0, "rollout/reward/mean": 0.5, "rollout/entropy/mean": 1.0}
+    metrics = {"ratio/token/max": 1.0, "ratio/token/min": 1.0, "rollout/reward/mean": 0.5,
+               "rollout/entropy/mean": 1.0}
     new = det.observe(3, metrics)
     assert [(e.step, e.kind, e.detail) for e in new] == [(3, "nonfinite", {"train/loss": 2, "train/grad_norm": 1})]
     assert math.isnan(new[0].value)
     assert det.observe(4, metrics) == []
+
+
+@pytest.mark.parametrize("objective, fires_on", [("grpo", "token"), ("cispo", "token"), ("gspo", "seq"),
+                                                 ("gspo_token", "seq"), ("gmpo", "seq")])
+def test_ratio_blowup_watches_the_ratio_the_objective_uses(objective, fires_on):
+    """A token ratio of 1e4 inside sequences whose ratio stays near 1 is a blow-up for token-ratio objectives
+    only; a sequence ratio of 1e4 is one for sequence-ratio objectives only."""
+    from moe_rl.config import CollapseConfig
+    from moe_rl.objectives import SPECS
+
+    base = {"rollout/reward/mean": 0.5, "rollout/entropy/mean": 1.0}
+    for level in ("token", "seq"):
+        other = "seq" if level == "token" else "token"
+        det = CollapseDetector(CollapseConfig(), ratio=SPECS[objective].ratio)
+        metrics = {**base, f"ratio/{level}/max": 1e4, f"ratio/{level}/min": 0.5,
+                   f"ratio/{other}/max": 1.2, f"ratio/{other}/min": 0.9}
+        kinds = [e.kind for e in det.observe(0, metrics)]
+        assert kinds == (["ratio_blowup"] if level == fires_on else []), (objective, level)
+    assert "ratio" not in CollapseDetector(CollapseConfig(), ratio="seq").state_dict()
 
 
 def _fake_run(folder: Path, label: str, seed: int, rewards: list[float], *, summary: bool = True) -> None:

@@ -79,6 +79,7 @@ def test_objective_presets_set_paper_clip_ranges_and_replay():
         ("routing.drift=1.5", "routing.drift"),
         ("routing.drift=nan", "routing.drift"),
         ("routing.drift_from_minibatch=0", "routing.drift_from_minibatch"),
+        ("trainer.group_minibatches=true trainer.prompts_per_step=6", "trainer.group_minibatches"),
         ("objective=gmpo objective.loss_agg=token-mean", "objective.loss_agg"),
     ],
 )
@@ -181,6 +182,28 @@ def test_replay_wins_over_drift_bitwise(replay):
     skip = ("time/", "throughput/", "routing/drift/")
     keys = [k for k in a if not k.startswith(skip)]
     assert keys and all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in keys)
+
+
+def test_minibatch_overlap_is_measured_and_group_minibatches_remove_it():
+    """By default every later mini-batch row has a sibling trained on earlier in the step (sibling_frac 1)
+    and identical sequences are counted; with trainer.group_minibatches both are 0."""
+    mixed, ctx = _first_step(["trainer.group_size=4", "trainer.mini_batches=2"])
+    assert mixed["minibatch/sibling_frac"] == 1.0
+    assert 0.0 <= mixed["minibatch/duplicate_frac"] <= 1.0
+    whole, _ = _first_step(["trainer.group_size=4", "trainer.mini_batches=2", "trainer.group_minibatches=true"])
+    assert whole["minibatch/sibling_frac"] == 0.0 and whole["minibatch/duplicate_frac"] == 0.0
+    assert whole["rollout/reward/mean"] == mixed["rollout/reward/mean"]  # same samples, other split
+
+
+def test_minibatch_overlap_counts_identical_sequences():
+    """duplicate_frac counts later rows whose prompt and response equal a row of an earlier mini-batch."""
+    from moe_rl.trainer.step import _minibatch_overlap
+
+    ids = torch.tensor([[5, 6, 7, 0], [5, 6, 8, 0], [5, 6, 7, 0], [9, 9, 9, 9]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    batch = Batch(ids, mask, None, None, None, None, None)
+    m = _minibatch_overlap(batch, torch.tensor([0, 0, 0, 1]), [slice(0, 2), slice(2, 4)])
+    assert m == {"minibatch/sibling_frac": 0.5, "minibatch/duplicate_frac": 0.5}
 
 
 def test_drift_shows_in_expert_change_and_never_touches_rollouts():

@@ -47,6 +47,7 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `ratio/token/extreme_frac` | 1/N Σ [r_it < lo ∨ r_it > hi], (lo, hi) = extreme_band, default (0.5, 2) |
 | `ratio/seq/mean` | 1/B' Σ_i s_i |
 | `ratio/seq/var` | 1/B' Σ_i (s_i − mean s)² |
+| `ratio/seq/max`, `ratio/seq/min` | max_i s_i, min_i s_i |
 | `policy/approx_kl` | 1/N Σ exp(d_it) − d_it − 1 = (r − 1) − log r, r = π_θ/π_old: the unbiased k3 estimate of KL(π_old ‖ π_θ) on samples from π_old (cleanrl, TRL); d clamped to ±20 |
 | `policy/logp_diff/abs_mean` | 1/N Σ abs(d_it) (not clamped) |
 | `policy/ref_kl` | beta > 0 only: agg(kl_it) with the chosen `kl_estimator` (default k3 = exp(δ_it) − δ_it − 1), δ = ref_logp − logp; the penalty before beta |
@@ -111,21 +112,24 @@ class ObjectiveSpec:
     """Whether advantages must be [B] (the trainer's are)."""
     clip_low_may_be_one: bool
     """Whether clip_low = 1 (no lower bound) is allowed."""
+    ratio: str
+    """The importance ratio the objective weights its gradient by, `token` (r_it) or `seq` (s_i; gmpo's
+    geometric mean of token ratios is s_i before its clip): collapse detection watches `ratio/<ratio>/*`."""
 
 
 _ALL_AGGS = tuple(AGGREGATIONS)
 _SEQ = (SEQ_MEAN_TOKEN_MEAN,)
 SPECS: dict[str, ObjectiveSpec] = {
     "grpo": ObjectiveSpec(loss_aggs=_ALL_AGGS, dual_clip=True, seq_advantages_only=False,
-                          clip_low_may_be_one=False),
+                          clip_low_may_be_one=False, ratio="token"),
     "gspo": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=True, seq_advantages_only=True,
-                          clip_low_may_be_one=False),
+                          clip_low_may_be_one=False, ratio="seq"),
     "gspo_token": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=True, seq_advantages_only=False,
-                                clip_low_may_be_one=False),
+                                clip_low_may_be_one=False, ratio="seq"),
     "cispo": ObjectiveSpec(loss_aggs=_ALL_AGGS, dual_clip=False, seq_advantages_only=False,
-                           clip_low_may_be_one=True),
+                           clip_low_may_be_one=True, ratio="token"),
     "gmpo": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=False, seq_advantages_only=True,
-                          clip_low_may_be_one=False),
+                          clip_low_may_be_one=False, ratio="seq"),
 }
 
 OBJECTIVES: dict[str, Objective] = {

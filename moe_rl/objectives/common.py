@@ -295,6 +295,8 @@ def ratio_metrics(
         "ratio/token/extreme_frac": extreme_N.double().mean(),
         "ratio/seq/mean": s_B.mean(),
         "ratio/seq/var": (s_B - s_B.mean()).square().mean(),
+        "ratio/seq/max": s_B.max() if s_B.numel() else nan,
+        "ratio/seq/min": s_B.min() if s_B.numel() else nan,
         # KL(π_old ‖ π_θ) on samples from π_old, unbiased: (r − 1) − log r with r = π_θ / π_old (as cleanrl
         # and TRL); k3(new, old) would estimate the other direction, agreeing only to second order.
         "policy/approx_kl": k3(old_logp_BT, logp_BT)[mask_BT].mean(),

@@ -38,6 +38,8 @@ finite metrics of the last step.
 | `routing/load_cv/mean` | per-layer coefficient of variation of tokens per expert (old policy), mean over layers |
 | `routing/entropy/mean` | router entropy (nats) of the old policy, mean over layers |
 | `routing/replay_cache_bytes` | bytes of expert ids held for replay this step (0 when replay is off) |
+| `minibatch/sibling_frac` | over rows of mini-batches 2..M: the fraction whose group (prompt) had a row in an earlier mini-batch of the step (1 by construction when group_size ≥ mini_batches; 0 with `trainer.group_minibatches`) |
+| `minibatch/duplicate_frac` | over rows of mini-batches 2..M: the fraction whose whole sequence (prompt and response) equals a row of an earlier mini-batch of the step |
 | `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens, where the old-policy log-probs are those the objective uses as π_old, under the arm's replay (R3 replays the sampler's routing there; 0 by construction with `trainer.reuse_sampler_logp`) |
 | `collapse/events`, `collapse/new_events` | collapse events so far, and those of this step (see collapse.py; at most one `nonfinite` event per step, its `detail` counting the mini-batches with a non-finite `train/loss` or `train/grad_norm`) |
 | `collapse/kind/{kind}` | collapse events of each kind so far (`nonfinite`, `reward_collapse`, `entropy_collapse`, `ratio_blowup`; 0 until one fires) |

@@ -5,7 +5,7 @@
 | `nonfinite` | in some mini-batches of the step, the loss or gradient norm was NaN/inf (those updates are skipped); one event per step, its `detail` maps each non-finite quantity (`train/loss`, `train/grad_norm`) to the number of mini-batches where it was, `value` is the first non-finite value |
 | `reward_collapse` | after `warmup_steps`, the `reward_window`-step moving average of `rollout/reward/mean` falls below `reward_frac` x its best value so far (and the best is > 0) |
 | `entropy_collapse` | after `warmup_steps`, `rollout/entropy/mean` < `entropy_min` |
-| `ratio_blowup` | `ratio/token/max` > `ratio_max` or `ratio/token/min` < 1 / `ratio_max` in any mini-batch |
+| `ratio_blowup` | `ratio/<r>/max` > `ratio_max` or `ratio/<r>/min` < 1 / `ratio_max` in any mini-batch, where r is the ratio the objective weights its gradient by (`SPECS[name].ratio`: `token` for grpo and cispo, `seq` for gspo, gspo_token and gmpo); a token extreme that a sequence objective averages away is not a blow-up of that objective |
 
 Reward and entropy collapse fire once when entered and again only after recovery, so a long
 collapse is one event, not one per step. `collapse/kind/<kind>` counts each kind's events so far.
@@ -43,6 +43,8 @@ class CollapseDetector:
     """Stateful detector; its state is part of every checkpoint."""
 
     cfg: CollapseConfig
+    ratio: str = "token"
+    """Which ratio's extremes `ratio_blowup` watches: `token` or `seq` (the objective's, SPECS[name].ratio)."""
     rewards: list[float] = field(default_factory=list)
     best_avg: float = -math.inf
     in_reward_collapse: bool = False
@@ -60,12 +62,13 @@ class CollapseDetector:
         self.nonfinite_counts[quantity] = self.nonfinite_counts.get(quantity, 0) + 1
 
     def observe(self, step: int, metrics: dict[str, float]) -> list[CollapseEvent]:
-        """Check one step's metrics (token-ratio max/min taken over all its mini-batches); return new events."""
+        """Check one step's metrics (`ratio/<ratio>/max` and `/min` taken over all its mini-batches); return
+        new events."""
         c, new = self.cfg, []
         if self.nonfinite_counts:
             detail, self.nonfinite_counts = dict(self.nonfinite_counts), {}
             new.append(CollapseEvent(step, "nonfinite", self.nonfinite_first, math.inf, detail))
-        ratio_max, ratio_min = metrics["ratio/token/max"], metrics["ratio/token/min"]
+        ratio_max, ratio_min = metrics[f"ratio/{self.ratio}/max"], metrics[f"ratio/{self.ratio}/min"]
         if ratio_max > c.ratio_max:
             new.append(CollapseEvent(step, "ratio_blowup", ratio_max, c.ratio_max))
         elif ratio_min < 1 / c.ratio_max:
@@ -93,6 +96,7 @@ class CollapseDetector:
         """Everything needed to resume detection exactly."""
         state = asdict(self)
         state.pop("cfg")
+        state.pop("ratio")  # a property of the objective, which a resume cannot change
         return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -146,6 +146,11 @@ def check_world(t: TrainerConfig, world: int) -> None:
             f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by the {world} processes: "
             "each rank samples an equal share of whole prompt groups"
         )
+    if t.group_minibatches and (t.prompts_per_step // world) % t.mini_batches:
+        raise ValueError(
+            f"trainer.group_minibatches=true: trainer.mini_batches={t.mini_batches} does not divide each "
+            f"rank's prompts, prompts_per_step / processes = {t.prompts_per_step // world}"
+        )
     if (t.prompts_per_step * t.group_size // world) % t.mini_batches:
         raise ValueError(
             f"trainer.mini_batches={t.mini_batches} does not divide each rank's rows "
@@ -157,15 +162,19 @@ def check_world(t: TrainerConfig, world: int) -> None:
         )
 
 
-def minibatch_rows(n_rows: int, mini_batches: int, generator: torch.Generator) -> torch.Tensor:
+def minibatch_rows(n_rows: int, mini_batches: int, generator: torch.Generator, unit: int = 1) -> torch.Tensor:
     """`[M, B / M]` global row indices of each mini-batch, drawn identically on every rank.
 
-    Mini-batch j takes one row from every run of M consecutive rows (which one is drawn at random), so
+    Rows are taken in units of `unit` consecutive rows (1: single rows; the group size: whole groups).
+    Mini-batch j takes one unit from every run of M consecutive units (which one is drawn at random), so
     any rank owning whole runs holds the same number of rows of every mini-batch, and the mini-batches
-    do not depend on the number of ranks.
+    do not depend on the number of ranks. With unit = 1 every group of G >= M rows is spread over all
+    mini-batches; with unit = G each group lies in exactly one.
     """
-    order_CM = torch.rand(n_rows // mini_batches, mini_batches, generator=generator).argsort(dim=1)
-    return (order_CM + torch.arange(0, n_rows, mini_batches).unsqueeze(1)).T
+    n_units = n_rows // unit
+    order_CM = torch.rand(n_units // mini_batches, mini_batches, generator=generator).argsort(dim=1)
+    units_MC = (order_CM + torch.arange(0, n_units, mini_batches).unsqueeze(1)).T
+    return (units_MC.unsqueeze(-1) * unit + torch.arange(unit)).reshape(mini_batches, -1)
 
 
 def wrap(model: nn.Module, parallel: str, dist_: Dist, device: str) -> nn.Module:

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from moe_rl.config import Config
 from moe_rl.errors import RunError
 from moe_rl.models import build_model, build_tokenizer
+from moe_rl.objectives import SPECS
 from moe_rl.routing import RoutingController
 from moe_rl.tasks import make_task
 from moe_rl.trainer.checkpoint import (
@@ -149,7 +150,7 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
         scheduler,
         torch.Generator(torch.device(t.device)).manual_seed(cfg.seed),
         torch.Generator().manual_seed(cfg.seed + 1),
-        CollapseDetector(cfg.collapse),
+        CollapseDetector(cfg.collapse, ratio=SPECS[cfg.objective.name].ratio),
         ref,
         sampler,
         RoutingController(sampler) if sampler is not None else None,

@@ -358,7 +358,8 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     roll, rewards_B = _rollout(ctx, step)
     adv_B = group_advantages(rewards_B, t.group_size, normalize_std=cfg.objective.normalize_std)
     # This rank's runs of M rows in every mini-batch, as indices into its own rows.
-    rows_MC = minibatch_rows(t.prompts_per_step * t.group_size, t.mini_batches, ctx.shuffle_gen)
+    unit = t.group_size if t.group_minibatches else 1
+    rows_MC = minibatch_rows(t.prompts_per_step * t.group_size, t.mini_batches, ctx.shuffle_gen, unit)
     c = rows_MC.shape[1] // d.world
     perm_B = (rows_MC[:, d.rank * c : (d.rank + 1) * c] - d.rank * len(rewards_B)).reshape(-1)
     batch = Batch.from_rollout(roll, adv_B.to(roll.logp_BR.device), perm_B.to(roll.logp_BR.device))
@@ -381,6 +382,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     t3 = time.perf_counter()
 
     local = _routing_metrics(batch, old_trace, torch.cat(old_logps), cfg.routing.replay)
+    local.update(_minibatch_overlap(batch, perm_B // t.group_size, slices))
     tokens = int(batch.valid_BS1.sum()) + len(perm_B)
     local.update(
         {
@@ -394,8 +396,9 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     )
     metrics, per_mb = _reduced_metrics(ctx, roll, rewards_B, batch, slices, per_mb, changes, local)
     extremes = {
-        "ratio/token/max": max(m["ratio/token/max"] for m in per_mb),
-        "ratio/token/min": min(m["ratio/token/min"] for m in per_mb),
+        f"ratio/{level}/{ext}": fn(m[f"ratio/{level}/{ext}"] for m in per_mb)
+        for level in ("token", "seq")
+        for ext, fn in (("max", max), ("min", min))
     }
     ctx.detector.observe(step, {**metrics, **extremes})
     metrics["collapse/events"] = float(len(ctx.detector.events))
@@ -474,6 +477,30 @@ def _counts(batch: Batch, sl: slice) -> dict[str, float]:
         "rows": float(batch.response_mask_BR[sl].shape[0]),
         "tokens": float(batch.response_mask_BR[sl].sum()),
         "positions": float(batch.valid_BS1[sl].sum()),
+    }
+
+
+def _minibatch_overlap(batch: Batch, group_B: torch.Tensor, slices: list[slice]) -> dict[str, float]:
+    """How much of mini-batches 2..M was already seen, in part, by an earlier update of the same step:
+    `minibatch/sibling_frac`, rows whose group (prompt) had a row in an earlier mini-batch;
+    `minibatch/duplicate_frac`, rows whose whole sequence (prompt and response) equals a row of an
+    earlier mini-batch. NaN with one mini-batch. `group_B` is each row's group index."""
+    seen_groups: set[int] = set()
+    seen_seqs: set[tuple[int, ...]] = set()
+    sibling = duplicate = later = 0
+    for j, sl in enumerate(slices):
+        groups = group_B[sl].tolist()
+        ids_bS, keep_bS = batch.input_ids_BS[sl], batch.attention_mask_BS[sl].bool()
+        seqs = [tuple(ids[keep].tolist()) for ids, keep in zip(ids_bS, keep_bS, strict=True)]
+        if j > 0:
+            later += len(groups)
+            sibling += sum(g in seen_groups for g in groups)
+            duplicate += sum(q in seen_seqs for q in seqs)
+        seen_groups.update(groups)
+        seen_seqs.update(seqs)
+    return {
+        "minibatch/sibling_frac": sibling / later if later else math.nan,
+        "minibatch/duplicate_frac": duplicate / later if later else math.nan,
     }
 
 
