@@ -247,6 +247,27 @@ def plot_clip_fraction(groups: Groups, out_dir: Path) -> Path:
     return _finish(fig, [ax], out_dir / "clip_fraction.png", f"Clipped-token fraction (error bars: {BAND})")
 
 
+def plot_clip_vs_kl(groups: Groups, out_dir: Path) -> Path | None:
+    """Per run (dot) and per group (outlined marker, the mean over seeds): mean clip/token_frac against
+    mean policy/approx_kl, both over steps and mini-batches (the on-policy one included), log-log."""
+    kl, clip = _per_run_means(groups, "policy/approx_kl"), _per_run_means(groups, "clip/token_frac")
+    if not any(np.isfinite(v).any() for v in kl.values()):
+        return None
+    colors = _colors(groups)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in groups:
+        x, y = kl[label], clip[label]
+        ax.scatter(x, y, color=colors[label], alpha=0.5, s=14)
+        ax.scatter(finite_mean(x), finite_mean(y), color=colors[label], edgecolor="black", s=60, label=label)
+    ax.set_xscale("log")
+    values = np.concatenate(list(clip.values()))
+    note = _log_y(ax, values)
+    ax.set_xlabel("per-update KL(π_old ‖ π_θ) (policy/approx_kl, k3; mean over steps)")
+    ax.set_ylabel("fraction of clipped tokens (clip/token_frac)" + note)
+    ax.grid(alpha=0.3, which="both")
+    return _finish(fig, [ax], out_dir / "clip_vs_kl.png", "Clipped-token fraction against per-update KL")
+
+
 def _layers(runs: list[Run]) -> list[int]:
     return sorted({int(m.group(1)) for r in runs for k in r.keys() if (m := _LAYER.match(k))})
 
@@ -346,6 +367,11 @@ FIGURES = {
     "clip_fraction": (
         plot_clip_fraction,
         "Fraction of clipped tokens per label (the paper's Fig. 2 comparison), log scale.",
+    ),
+    "clip_vs_kl": (
+        plot_clip_vs_kl,
+        "Clipped-token fraction against per-update KL: a dot per run, an outlined marker per group mean "
+        "(how far the policy moved per update, against how much the objective discards).",
     ),
     "expert_change": (
         plot_expert_change,

@@ -32,6 +32,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from analysis import drift
 from analysis.figures import BAND, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.pairs import format_pairs, pairwise
@@ -159,11 +160,17 @@ def write_report(
         format_pairs(pairs),
     )
     by_field = {f: collapse_by_field(runs, f) for f in fields}
+    dose = drift.dose_table(groups, permutations) if drift.FIELD in fields else None
+    if dose is not None:
+        dose_md = drift.format_dose(dose)
+        (out_dir / "dose_table.md").write_text(dose_md + "\n")
+        figures = {"phase_diagram": (drift.plot_phase_diagram(groups, dose, out_dir), drift.CAPTION), **figures}
     (out_dir / "summary_table.md").write_text(summary_md + "\n")
     (out_dir / "collapse_table.md").write_text("\n\n".join([collapse_md, *by_field.values()]) + "\n")
     (out_dir / "pairs_table.md").write_text(pairs_md + "\n")
     (out_dir / "table.json").write_text(
-        json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs}, indent=2)
+        json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs,
+                    **({"dose": drift.dose_json(dose)} if dose is not None else {})}, indent=2)
     )
 
     names = short_names(fields)
@@ -192,6 +199,7 @@ def write_report(
         "## Collapse",
         collapse_md,
         *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in by_field.items()),
+        *(["## Drift dose-response", drift.__doc__.split("\n\n", 1)[1].strip(), dose_md] if dose else []),
         "## Pairwise differences",
         pairs_md,
         "## Figures",

@@ -5,9 +5,16 @@
 #   experiments/reproduce.sh stability trainer.steps=200 model=deep   # scale up with any Hydra overrides
 #
 # The sweep goes to multirun/<name>/, the report (report.md, PNGs, tables) to results/<name>/.
+# An ablation may have parts that a single Hydra sweep cannot express (a cross product would repeat runs):
+# each conf/experiment/<name>__<part>.yaml is swept too, into multirun/<name>/<part>/, and analysed with it.
 set -euo pipefail
 name=${1:?usage: experiments/reproduce.sh NAME [HYDRA OVERRIDES...]}
 shift
 sweep_dir=multirun/$name
 moe-rl-train -m "+experiment=$name" "hydra.sweep.dir=$sweep_dir" "$@"
+for part_file in "$(dirname "$0")"/../conf/experiment/"$name"__*.yaml; do
+  [[ -e $part_file ]] || continue
+  part=$(basename "$part_file" .yaml)
+  moe-rl-train -m "+experiment=$part" "hydra.sweep.dir=$sweep_dir/${part#"$name"__}" "$@"
+done
 moe-rl-analyze "$sweep_dir" --out "results/$name" --title "moe-rl: $name"

@@ -71,10 +71,14 @@ TOKEN_VAR = Panel("token-ratio variance", ("ratio/token/var",), log_y=True)
 WITHIN_SEQ_VAR = Panel("within-sequence token-ratio variance", ("ratio/token/within_seq_var",), log_y=True)
 SEQ_VAR = Panel("sequence-ratio variance", ("ratio/seq/var",), log_y=True)
 EXTREMES = Panel("token-ratio extremes", ("ratio/token/max", "ratio/token/min"), log_y=True)
+SEQ_EXTREMES = Panel("sequence-ratio extremes", ("ratio/seq/max", "ratio/seq/min"), log_y=True)
+KL = Panel("per-update KL(π_old ‖ π_θ)", ("policy/approx_kl",), log_y=True)
+OVERLAP = Panel("later mini-batch rows already seen", ("minibatch/sibling_frac", "minibatch/duplicate_frac"))
 EXTREME_FRAC = Panel("token ratios outside the extreme band", ("ratio/token/extreme_frac",))
 CHANGE = Panel(
     "expert change after one update", ("routing/expert_change/after_one_update", "routing/expert_change/frac")
 )
+CHANGE_RESPONSE = Panel("expert change over response tokens", ("routing/expert_change/response_frac",))
 CHANGE_LAYERS = Panel("expert change per layer", regex=r"^routing/expert_change/layer_\d+$")
 ROLLOUT_VS_OLD = Panel("routing disagreement: rollout vs old policy", ("routing/rollout_vs_old/frac",))
 LOGP_DIFF = Panel("log-prob difference: sampler vs old policy", ("mismatch/logp_abs_diff/mean",), log_y=True)
@@ -88,15 +92,16 @@ THROUGHPUT = Panel("throughput (tokens/s)", ("throughput/tokens_per_s", "through
 
 SECTIONS = (
     Section("learning", (REWARD, EVAL, LENGTH)),
-    Section("clipping", (CLIP_TOKEN, CLIP_SEQ, CLIP_SIDES)),
-    Section("ratios", (TOKEN_VAR, WITHIN_SEQ_VAR, SEQ_VAR, EXTREMES, EXTREME_FRAC)),
-    Section("routing volatility", (CHANGE, CHANGE_LAYERS, ROLLOUT_VS_OLD)),
+    Section("clipping", (CLIP_TOKEN, CLIP_SEQ, CLIP_SIDES, KL, OVERLAP)),
+    Section("ratios", (TOKEN_VAR, WITHIN_SEQ_VAR, SEQ_VAR, EXTREMES, SEQ_EXTREMES, EXTREME_FRAC)),
+    Section("routing volatility", (CHANGE, CHANGE_RESPONSE, CHANGE_LAYERS, ROLLOUT_VS_OLD)),
     Section("mismatch", (LOGP_DIFF, ROLLOUT_VS_OLD)),
     Section("collapse", (EVENTS_BY_KIND, EVENTS, ENTROPY)),
     Section("time and throughput", (STAGES, THROUGHPUT)),
 )
 
-# One per conf/experiment/<name>.yaml ablation; `groupby` is what its sweep varies (hydra.sweeper.params).
+# One per conf/experiment/<name>.yaml ablation (its <name>__<part>.yaml parts share it: they log the same
+# `experiment`); `groupby` is what its sweep varies (hydra.sweeper.params).
 REPORTS = (
     ReportSpec("stability", "Stability: GSPO vs GRPO + Routing Replay vs GRPO (Fig. 1, 3)", GROUPBY,
                (REWARD, EVAL, LENGTH, STAGES)),
@@ -111,6 +116,11 @@ REPORTS = (
     ReportSpec("collapse_stress", "Collapse under stress: staleness and learning rate",
                ("objective.preset", "trainer.mini_batches", "trainer.lr"),
                (EVENTS_BY_KIND, EVENTS, REWARD, EXTREMES)),
+    ReportSpec("lr_calibration", "Step size: per-update KL and clipping against the learning rate",
+               ("objective.preset", "trainer.lr"), (KL, CLIP_TOKEN, TOKEN_VAR, SEQ_VAR, OVERLAP)),
+    ReportSpec("drift_dose", "Drift dose-response: stability against injected routing drift (claim 1)",
+               ("objective.preset", "routing.replay", "routing.drift"),
+               (EVAL, EVENTS_BY_KIND, CHANGE_RESPONSE, TOKEN_VAR, EXTREMES, SEQ_EXTREMES)),
 )  # fmt: skip
 
 

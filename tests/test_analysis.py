@@ -185,6 +185,50 @@ def test_report_on_handwritten_runs_links_figures_and_field_tables(hand_sweep, t
     assert "| 0.0001 | 1/2 | 0/1 |" in text and "| 0.0003 | 0/1 | – |" in text
 
 
+def _drift_run(root: Path, preset: str, seed: int, drift: float, acc: float, change: float, events: int) -> None:
+    config = _config(preset, seed, 1e-4)
+    config["routing"]["drift"] = drift
+    rows = _metrics([0.1, 0.1], collapse_last=float(events))
+    for row in rows:
+        row["routing/expert_change/response_frac"] = change
+    rows[-1]["eval/accuracy"] = acc
+    kinds = [{"step": 1, "kind": "ratio_blowup", "value": 2e3, "threshold": 1e3}] * events
+    _write_run(root / f"{preset}-{drift}-{seed}", config, rows, kinds)
+
+
+def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagram(tmp_path):
+    """With routing.drift swept, the report adds a dose table (one row per arm and p, expert change as
+    measured, collapse rate with Wilson CI), compares each drifting cell with the replay arm (whose runs
+    stand for every p), separates a real effect from noise, and draws phase_diagram.png."""
+    from analysis.drift import dose_table
+
+    root = tmp_path / "sweep"
+    for seed in range(5):
+        jitter = 0.01 * seed
+        _drift_run(root, "grpo_rr", seed, 0.0, 0.60 + jitter, 0.005, 0)
+        _drift_run(root, "grpo", seed, 0.0, 0.60 + jitter, 0.005, 0)
+        _drift_run(root, "grpo", seed, 0.2, 0.30 + jitter, 0.12, 1)
+    runs = load_local([root], progress=False)
+    table = dose_table(group_runs(runs), permutations=1000)
+    assert [(r["arm"], r["drift"]) for r in table] == [
+        ("grpo (replay=off)", 0.0), ("grpo (replay=off)", 0.2), ("grpo_rr (replay=old)", 0.0)]
+    low, high, ref = table
+    assert ref["vs_reference"] is None and ref["replay"]
+    assert high["expert change"].mean == pytest.approx(0.12) and high["collapsed"] == 5
+    assert high["kinds"] == {"ratio_blowup": 5} and high["collapse wilson"][0] > 0.5
+    assert high["vs_reference"]["acc"].diff == pytest.approx(-0.30)
+    assert high["vs_reference"]["acc verdict"].startswith("distinguishable")
+    assert high["vs_reference"]["rate"].diff == pytest.approx(1.0)
+    assert low["vs_reference"]["acc"].diff == pytest.approx(0.0, abs=1e-12)
+    assert low["vs_reference"]["acc verdict"].startswith("not distinguishable")
+    out = tmp_path / "report"
+    text = write_report(runs, out, "drift", [str(root)], permutations=1000).read_text()
+    assert "## Drift dose-response" in text and "(any: replay wins)" in text
+    assert (out / "phase_diagram.png").read_bytes()[:8] == PNG_MAGIC
+    assert "phase_diagram.png" in text and (out / "dose_table.md").exists()
+    assert len(json.loads((out / "table.json").read_text())["dose"]) == 3
+
+
 def test_cli_needs_exactly_one_source(tmp_path):
     """moe-rl-analyze exits with a usage error given both sweep folders and --wandb, neither, or --group alone."""
     for argv in ([str(tmp_path), "--wandb", "e/p"], [], [str(tmp_path), "--group", "g"]):
@@ -250,7 +294,7 @@ def test_real_sweep_figures_are_pngs_linked_from_report(real_sweep):
     _, out = real_sweep
     text = (out / "report.md").read_text()
     assert text.startswith("# tiny sweep")
-    drawn = FIGURES | {"eval_accuracy.png"}  # real runs evaluate on held-out prompts at their last step
+    drawn = FIGURES | {"eval_accuracy.png", "clip_vs_kl.png"}  # real runs log eval and approx_kl
     assert {p.name for p in out.glob("*.png")} == drawn
     links = set(re.findall(r"\]\(([^)]+)\)", text))
     assert links == drawn | {"table.json"}

@@ -1,0 +1,210 @@
+"""The drift dose-response: outcome against measured expert change when `routing.drift` is swept.
+
+One row per objective arm (base label) and drift p. Per run:
+
+| quantity | per run |
+|---|---|
+| expert change | mean over steps of `routing/expert_change/response_frac`: the change the update forwards saw, injected drift included (x of the phase diagram) |
+| final eval acc | `eval/accuracy` of the last row that has it |
+| collapsed | any collapse event (`collapse/events` > 0 at the last step); the kinds come from events.jsonl |
+| token-ratio var, clip frac | means over steps of `ratio/token/var`, `clip/token_frac` |
+
+Cells are mean ± 95% t-CI over seeds; the collapse rate carries its 95% Wilson interval.
+
+Replay arms (routing.replay ≠ off) ignore drift: replay wins, and the same seed gives bitwise-identical
+runs at every p (tests/test_train.py). Their runs at one p therefore stand for every p; the table
+compares each drifting arm at each p with the first replay arm (the reference): the eval-accuracy
+difference with its Welch CI and p-value, the collapse-rate difference with its Newcombe CI and
+permutation p-value, and a verdict in words (analysis.stats.verdict). The phase diagram draws the
+reference as a horizontal band across the whole x range.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from analysis.figures import BAND, _colors, _finish  # noqa: E402
+from analysis.load import Run  # noqa: E402
+from analysis.pairs import collapsed, final_eval  # noqa: E402
+from analysis.stats import mean_ci, rate_difference, verdict, welch, wilson  # noqa: E402
+from moe_rl.trainer.compare import run_row  # noqa: E402
+
+FIELD = "routing.drift"
+PAPER_CHANGE = 0.10
+"""The GSPO paper's ~10% of activated experts changing per update (48-layer Qwen3-30B-A3B, section 5.3)."""
+
+Groups = dict[str, list[Run]]
+CAPTION = (
+    "Final held-out eval accuracy (left) and collapse rate (right) against the measured expert change per "
+    "update, one line per drifting arm (points labelled with their drift p), the replay arm as a dashed "
+    "line with its band; the dotted line marks the GSPO paper's ~10%."
+)
+
+
+def _kinds(runs: list[Run]) -> dict[str, int] | None:
+    if any(r.events is None for r in runs):
+        return None
+    kinds: dict[str, int] = {}
+    for run in runs:
+        for kind in {e["kind"] for e in run.events}:  # seeds with the kind, not events
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def _is_replay(runs: list[Run]) -> bool:
+    return runs[0].config["routing"]["replay"] != "off"
+
+
+def dose_table(groups: Groups, permutations: int = 10_000) -> list[dict[str, Any]]:
+    """One dict per (arm, p), arms in group order, p ascending: seeds, the module's quantities (mean, CI
+    half, n), collapsed seeds with their Wilson interval and kinds, and `vs_reference` (None for the
+    reference arm itself or when no replay arm ran)."""
+    by_arm: dict[str, dict[float, list[Run]]] = {}
+    for runs in groups.values():
+        by_arm.setdefault(runs[0].base_label, {})[float(runs[0].flat[FIELD])] = runs
+    reference = next((arm for arm, cells in by_arm.items() if _is_replay(next(iter(cells.values())))), None)
+    ref_runs = [r for cell in by_arm.get(reference, {}).values() for r in cell]
+    out = []
+    for arm, cells in by_arm.items():
+        for p in sorted(cells):
+            runs = cells[p]
+            rows = [run_row(r.rows) for r in runs]
+            k, n = sum(collapsed(r) for r in runs), len(runs)
+            row = {
+                "arm": arm, "drift": p, "seeds": [r.seed for r in runs], "replay": _is_replay(runs),
+                "expert change": mean_ci([x["expert change"] for x in rows]),
+                "final eval acc": mean_ci([final_eval(r) for r in runs]),
+                "token-ratio var": mean_ci([x["token-ratio var"] for x in rows]),
+                "clip frac": mean_ci([x["clip frac"] for x in rows]),
+                "collapsed": k, "collapse wilson": wilson(k, n), "kinds": _kinds(runs),
+                "vs_reference": None,
+            }  # fmt: skip
+            if reference is not None and arm != reference:
+                row["vs_reference"] = _versus(runs, ref_runs, permutations)
+            out.append(row)
+    return out
+
+
+def _versus(a: list[Run], b: list[Run], permutations: int) -> dict[str, Any]:
+    acc = welch([final_eval(r) for r in a], [final_eval(r) for r in b])
+    rate = rate_difference([collapsed(r) for r in a], [collapsed(r) for r in b], permutations)
+    return {"acc": acc, "acc verdict": _short(verdict(acc)), "rate": rate, "rate verdict": _short(verdict(rate))}
+
+
+def _short(sentence: str) -> str:
+    """The verdict without its parenthesis (the table shows the CI and p beside it)."""
+    return sentence.split(" (", 1)[0]
+
+
+def dose_json(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The table as plain JSON values (each mean with its CI half-width and n, each difference whole)."""
+    def plain(v: Any) -> Any:
+        if hasattr(v, "__dataclass_fields__"):
+            return {k: getattr(v, k) for k in v.__dataclass_fields__}
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return [plain(row) for row in table]
+
+
+def _fmt_diff(d) -> str:
+    if not math.isfinite(d.diff):
+        return "n/a"
+    ci = f" [{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
+    p = f", p = {d.p:.2g}" if math.isfinite(d.p) else ""
+    return f"{d.diff:+.3f}{ci}{p}"
+
+
+def format_dose(table: list[dict[str, Any]]) -> str:
+    """Markdown: one line per (arm, p), then the comparison with the replay reference."""
+    reference = next((r["arm"] for r in table if r["replay"]), None)
+    lines = [
+        "| arm | drift p | seeds | expert change | final eval acc | collapsed seeds (Wilson 95%) | kinds (seeds) "
+        "| token-ratio var | clip frac |",
+        "|---" * 9 + "|",
+    ]
+    for r in table:
+        lo, hi = r["collapse wilson"]
+        kinds = "unknown" if r["kinds"] is None else ", ".join(f"{k}: {v}" for k, v in sorted(r["kinds"].items()))
+        lines.append(
+            f"| {r['arm']} | {r['drift']:g}" + (" (any: replay wins)" if r["replay"] else "")
+            + f" | {len(r['seeds'])} | {_pct(r['expert change'])} | {r['final eval acc'].format()} "
+            f"| {r['collapsed']}/{len(r['seeds'])} [{lo:.2f}, {hi:.2f}] | {kinds or '–'} "
+            f"| {r['token-ratio var'].format(3)} | {r['clip frac'].format(3)} |"
+        )
+    if reference is None:
+        return "\n".join(lines)
+    lines += [
+        "",
+        f"Against the replay reference **{reference}** (its runs stand for every p): difference in final eval "
+        "accuracy (Welch 95% CI, p) and in collapse rate (Newcombe 95% CI, permutation p).",
+        "",
+        "| arm | drift p | Δ eval acc | verdict | Δ collapse rate | verdict |",
+        "|---" * 6 + "|",
+    ]
+    for r in table:
+        v = r["vs_reference"]
+        if v is not None:
+            lines.append(
+                f"| {r['arm']} | {r['drift']:g} | {_fmt_diff(v['acc'])} | {v['acc verdict']} "
+                f"| {_fmt_diff(v['rate'])} | {v['rate verdict']} |"
+            )
+    return "\n".join(lines)
+
+
+def _pct(ci) -> str:
+    if ci.n == 0:
+        return "n/a"
+    half = f" ± {100 * ci.half:.2g}%" if math.isfinite(ci.half) else ""
+    return f"{100 * ci.mean:.3g}%{half}"
+
+
+def plot_phase_diagram(groups: Groups, table: list[dict[str, Any]], out_dir: Path) -> Path:
+    """Final eval accuracy (left) and collapse rate (right) against measured expert change (log x), one
+    line per drifting arm with its CI band; the replay reference as a horizontal band; the paper's ~10%."""
+    colors = _colors({r["arm"]: None for r in table})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    xs = [r["expert change"].mean for r in table if math.isfinite(r["expert change"].mean)]
+    x_lo, x_hi = min([0.005, *xs]) / 1.3, max([0.2, *xs]) * 1.3
+    for arm in dict.fromkeys(r["arm"] for r in table):
+        rows = [r for r in table if r["arm"] == arm]
+        acc = np.array([[r["final eval acc"].mean, r["final eval acc"].lo, r["final eval acc"].hi] for r in rows])
+        rate = np.array([[r["collapsed"] / len(r["seeds"]), *r["collapse wilson"]] for r in rows])
+        acc[~np.isfinite(acc[:, 1]), 1:] = acc[~np.isfinite(acc[:, 1]), :1]  # one seed: no band
+        color = colors[arm]
+        if rows[0]["replay"]:
+            label = f"{arm}: any drift (replay wins)"
+            for ax, (m, lo, hi) in zip(axes, (acc[0], rate[0]), strict=True):
+                ax.axhline(m, color=color, linestyle="--", label=label)
+                ax.axhspan(lo, hi, color=color, alpha=0.12, linewidth=0)
+            continue
+        x = np.array([r["expert change"].mean for r in rows])
+        for ax, y in zip(axes, (acc, rate), strict=True):
+            ax.plot(x, y[:, 0], color=color, marker="o", label=arm)
+            ax.fill_between(x, y[:, 1], y[:, 2], color=color, alpha=0.2, linewidth=0)
+    for ax, ylabel in zip(axes, ("final held-out eval accuracy", "collapse rate (seeds with any event)"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlim(x_lo, x_hi)
+        ax.axvline(PAPER_CHANGE, color="grey", linestyle=":", label="GSPO paper: ~10% per update")
+        ax.set_xlabel("measured expert change per update (response tokens, log scale)")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{100 * v:g}%"))
+    axes[1].set_ylim(-0.02, 1.02)
+    doses: dict[float, list[float]] = {}
+    for r in table:
+        if not r["replay"] and math.isfinite(r["expert change"].mean):
+            doses.setdefault(r["drift"], []).append(r["expert change"].mean)
+    for p, x in doses.items():  # each injected p at the mean change its arms measured
+        axes[0].annotate(f"p={p:g}", (float(np.mean(x)), 1), xytext=(0, -10), textcoords="offset points",
+                         xycoords=("data", "axes fraction"), fontsize="x-small", color="grey", ha="center")
+    return _finish(fig, axes, out_dir / "phase_diagram.png",
+                   f"Drift dose-response (bands: accuracy {BAND}; collapse rate Wilson 95%)")
