@@ -14,9 +14,13 @@ Cells are mean ± 95% t-CI over seeds; the collapse rate carries its 95% Wilson 
 Replay arms (routing.replay ≠ off) ignore drift: replay wins, and the same seed gives bitwise-identical
 runs at every p (tests/test_train.py). Their runs at one p therefore stand for every p; the table
 compares each drifting arm at each p with the first replay arm (the reference): the eval-accuracy
-difference with its Welch CI and p-value, the collapse-rate difference with its Newcombe CI and
-permutation p-value, and a verdict in words (analysis.stats.verdict). The phase diagram draws the
-reference as a horizontal band across the whole x range.
+difference, paired by seed when both cells ran the same seeds (a seed's warm start and eval set are
+shared by every arm, so pairing removes the between-seed spread; `paired_t`), else Welch's; the
+collapse-rate difference with its Newcombe CI and permutation p-value; a verdict in words
+(analysis.stats.verdict). The dose trend is the least-squares slope of those per-seed accuracy
+differences on the run's measured expert change, over all of an arm's runs (`ols_slope`), per 10
+percentage points of change. The phase diagram draws the reference as a horizontal band across the
+whole x range.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import numpy as np  # noqa: E402
 from analysis.figures import BAND, _colors, _finish  # noqa: E402
 from analysis.load import Run  # noqa: E402
 from analysis.pairs import collapsed, final_eval  # noqa: E402
-from analysis.stats import mean_ci, rate_difference, verdict, welch, wilson  # noqa: E402
+from analysis.stats import mean_ci, ols_slope, paired_t, rate_difference, verdict, welch, wilson  # noqa: E402
 from moe_rl.trainer.compare import run_row  # noqa: E402
 
 FIELD = "routing.drift"
@@ -57,6 +61,14 @@ def _kinds(runs: list[Run]) -> dict[str, int] | None:
         for kind in {e["kind"] for e in run.events}:  # seeds with the kind, not events
             kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
+
+
+def _outcome_collapsed(runs: list[Run]) -> int | None:
+    """Seeds with an event other than ratio_blowup (reward or entropy collapse, non-finite updates): the
+    training outcome failing, not only a ratio extreme; None when a run's events are unknown (W&B)."""
+    if any(r.events is None for r in runs):
+        return None
+    return sum(any(e["kind"] != "ratio_blowup" for e in r.events) for r in runs)
 
 
 def _is_replay(runs: list[Run]) -> bool:
@@ -85,6 +97,7 @@ def dose_table(groups: Groups, permutations: int = 10_000) -> list[dict[str, Any
                 "token-ratio var": mean_ci([x["token-ratio var"] for x in rows]),
                 "clip frac": mean_ci([x["clip frac"] for x in rows]),
                 "collapsed": k, "collapse wilson": wilson(k, n), "kinds": _kinds(runs),
+                "outcome collapsed": _outcome_collapsed(runs),
                 "vs_reference": None,
             }  # fmt: skip
             if reference is not None and arm != reference:
@@ -93,8 +106,46 @@ def dose_table(groups: Groups, permutations: int = 10_000) -> list[dict[str, Any
     return out
 
 
+def _accuracy_difference(a: list[Run], b: list[Run]):
+    """Final eval accuracy a - b: paired by seed when both ran the same seeds, else Welch."""
+    by_seed_a, by_seed_b = {r.seed: r for r in a}, {r.seed: r for r in b}
+    if len(by_seed_a) == len(a) and set(by_seed_a) == set(by_seed_b):
+        seeds = sorted(by_seed_a)
+        return paired_t([final_eval(by_seed_a[s]) for s in seeds], [final_eval(by_seed_b[s]) for s in seeds])
+    return welch([final_eval(r) for r in a], [final_eval(r) for r in b])
+
+
+def dose_trend(groups: Groups) -> dict[str, Any]:
+    """Per drifting arm: the slope of (final eval acc - the reference's, same seed) on measured expert
+    change, per 10 percentage points, over all the arm's runs whose seed the reference ran."""
+    arms: dict[str, list[Run]] = {}
+    for runs in groups.values():
+        arms.setdefault(runs[0].base_label, []).extend(runs)
+    reference = next((arm for arm, runs in arms.items() if _is_replay(runs)), None)
+    if reference is None:
+        return {}
+    ref = {r.seed: final_eval(r) for r in arms[reference]}
+    out = {}
+    for arm, runs in arms.items():
+        if _is_replay(runs):
+            continue
+        paired = [r for r in runs if r.seed in ref]
+        x = [run_row(r.rows)["expert change"] / 0.1 for r in paired]
+        out[arm] = ols_slope(x, [final_eval(r) - ref[r.seed] for r in paired])
+    return out
+
+
+def format_trend(trend: dict[str, Any]) -> str:
+    """Markdown: one line per drifting arm."""
+    lines = ["| arm | runs | Δ eval acc per +10 points of expert change (95% CI) | p | verdict |", "|---" * 5 + "|"]
+    for arm, d in trend.items():
+        ci = f"[{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
+        lines.append(f"| {arm} | {d.n_a} | {d.diff:+.3f} {ci} | {d.p:.2g} | {_short(verdict(d))} |")
+    return "\n".join(lines)
+
+
 def _versus(a: list[Run], b: list[Run], permutations: int) -> dict[str, Any]:
-    acc = welch([final_eval(r) for r in a], [final_eval(r) for r in b])
+    acc = _accuracy_difference(a, b)
     rate = rate_difference([collapsed(r) for r in a], [collapsed(r) for r in b], permutations)
     return {"acc": acc, "acc verdict": _short(verdict(acc)), "rate": rate, "rate verdict": _short(verdict(rate))}
 
@@ -146,7 +197,8 @@ def format_dose(table: list[dict[str, Any]]) -> str:
     lines += [
         "",
         f"Against the replay reference **{reference}** (its runs stand for every p): difference in final eval "
-        "accuracy (Welch 95% CI, p) and in collapse rate (Newcombe 95% CI, permutation p).",
+        "accuracy (95% CI and p of a paired t-test over seeds, or Welch's when the seeds differ) and in "
+        "collapse rate (Newcombe 95% CI, permutation p).",
         "",
         "| arm | drift p | Δ eval acc | verdict | Δ collapse rate | verdict |",
         "|---" * 6 + "|",
@@ -169,36 +221,44 @@ def _pct(ci) -> str:
 
 
 def plot_phase_diagram(groups: Groups, table: list[dict[str, Any]], out_dir: Path) -> Path:
-    """Final eval accuracy (left) and collapse rate (right) against measured expert change (log x), one
-    line per drifting arm with its CI band; the replay reference as a horizontal band; the paper's ~10%."""
+    """Against measured expert change (log x): final eval accuracy, its paired difference to the replay
+    reference, and the collapse rate (any event; dotted: reward, entropy or non-finite events only), one
+    line per drifting arm with its band; the reference as a horizontal band; the paper's ~10%."""
     colors = _colors({r["arm"]: None for r in table})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     xs = [r["expert change"].mean for r in table if math.isfinite(r["expert change"].mean)]
     x_lo, x_hi = min([0.005, *xs]) / 1.3, max([0.2, *xs]) * 1.3
     for arm in dict.fromkeys(r["arm"] for r in table):
         rows = [r for r in table if r["arm"] == arm]
-        acc = np.array([[r["final eval acc"].mean, r["final eval acc"].lo, r["final eval acc"].hi] for r in rows])
-        rate = np.array([[r["collapsed"] / len(r["seeds"]), *r["collapse wilson"]] for r in rows])
-        acc[~np.isfinite(acc[:, 1]), 1:] = acc[~np.isfinite(acc[:, 1]), :1]  # one seed: no band
+        acc = _band(rows, lambda r: (r["final eval acc"].mean, r["final eval acc"].lo, r["final eval acc"].hi))
+        rate = _band(rows, lambda r: (r["collapsed"] / len(r["seeds"]), *r["collapse wilson"]))
         color = colors[arm]
         if rows[0]["replay"]:
             label = f"{arm}: any drift (replay wins)"
-            for ax, (m, lo, hi) in zip(axes, (acc[0], rate[0]), strict=True):
+            for ax, (m, lo, hi) in zip(axes, (acc[0], (0.0, 0.0, 0.0), rate[0]), strict=True):
                 ax.axhline(m, color=color, linestyle="--", label=label)
                 ax.axhspan(lo, hi, color=color, alpha=0.12, linewidth=0)
             continue
         x = np.array([r["expert change"].mean for r in rows])
-        for ax, y in zip(axes, (acc, rate), strict=True):
+        diff = _band(rows, lambda r: (r["vs_reference"]["acc"].diff, r["vs_reference"]["acc"].lo,
+                                      r["vs_reference"]["acc"].hi) if r["vs_reference"] else (math.nan,) * 3)
+        for ax, y in zip(axes, (acc, diff, rate), strict=True):
             ax.plot(x, y[:, 0], color=color, marker="o", label=arm)
             ax.fill_between(x, y[:, 1], y[:, 2], color=color, alpha=0.2, linewidth=0)
-    for ax, ylabel in zip(axes, ("final held-out eval accuracy", "collapse rate (seeds with any event)"), strict=True):
+        outcome = [r["outcome collapsed"] for r in rows]
+        if all(k is not None for k in outcome):
+            axes[2].plot(x, [k / len(r["seeds"]) for k, r in zip(outcome, rows, strict=True)], color=color,
+                         linestyle=":", marker="x", label=f"{arm}: reward, entropy or non-finite events only")
+    ylabels = ("final held-out eval accuracy", "Δ final eval accuracy vs the replay arm\n(same seed; paired 95% CI)",
+               "collapse rate (seeds with an event)")
+    for ax, ylabel in zip(axes, ylabels, strict=True):
         ax.set_xscale("log")
         ax.set_xlim(x_lo, x_hi)
         ax.axvline(PAPER_CHANGE, color="grey", linestyle=":", label="GSPO paper: ~10% per update")
         ax.set_xlabel("measured expert change per update (response tokens, log scale)")
         ax.set_ylabel(ylabel)
         ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{100 * v:g}%"))
-    axes[1].set_ylim(-0.02, 1.02)
+    axes[2].set_ylim(-0.02, 1.02)
     doses: dict[float, list[float]] = {}
     for r in table:
         if not r["replay"] and math.isfinite(r["expert change"].mean):
@@ -206,5 +266,20 @@ def plot_phase_diagram(groups: Groups, table: list[dict[str, Any]], out_dir: Pat
     for p, x in doses.items():  # each injected p at the mean change its arms measured
         axes[0].annotate(f"p={p:g}", (float(np.mean(x)), 1), xytext=(0, -10), textcoords="offset points",
                          xycoords=("data", "axes fraction"), fontsize="x-small", color="grey", ha="center")
+    handles = {h.get_label(): h for ax in axes for h in ax.get_legend_handles_labels()[0]}
+    axes[0].legend([], [])  # _finish collects the legend from the first axes: give it every handle
+    axes[0].get_legend().remove()
+    for label, handle in handles.items():
+        if label not in axes[0].get_legend_handles_labels()[1]:
+            axes[0].plot([], [], label=label, color=handle.get_color(), linestyle=handle.get_linestyle(),
+                         marker=handle.get_marker())
     return _finish(fig, axes, out_dir / "phase_diagram.png",
                    f"Drift dose-response (bands: accuracy {BAND}; collapse rate Wilson 95%)")
+
+
+def _band(rows: list[dict[str, Any]], stats) -> np.ndarray:
+    """[cells, 3] (value, low, high); a cell without an interval (one seed) gets a zero-width band."""
+    out = np.array([stats(r) for r in rows], dtype=float)
+    missing = ~np.isfinite(out[:, 1])
+    out[missing, 1:] = out[missing, :1]
+    return out

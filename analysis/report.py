@@ -162,7 +162,7 @@ def write_report(
     by_field = {f: collapse_by_field(runs, f) for f in fields}
     dose = drift.dose_table(groups, permutations) if drift.FIELD in fields else None
     if dose is not None:
-        dose_md = drift.format_dose(dose)
+        dose_md = drift.format_dose(dose) + "\n\nDose trend:\n\n" + drift.format_trend(drift.dose_trend(groups))
         (out_dir / "dose_table.md").write_text(dose_md + "\n")
         figures = {"phase_diagram": (drift.plot_phase_diagram(groups, dose, out_dir), drift.CAPTION), **figures}
     (out_dir / "summary_table.md").write_text(summary_md + "\n")

@@ -6,6 +6,8 @@ Every number a table or figure aggregates over seeds goes through these, so one 
 |---|---|
 | mean over seeds | `mean_ci`: Student t interval, mean ± t_{n-1, 0.975} · s / sqrt(n), s the sample sd (ddof 1) |
 | difference of two group means | `welch`: Welch's t (unequal variances), Welch–Satterthwaite dof, two-sided p |
+| paired difference (same seeds in both groups) | `paired_t`: t interval of the per-seed differences, n - 1 dof, two-sided p |
+| dose trend | `ols_slope`: least-squares slope with its t interval (n - 2 dof) and two-sided p of slope = 0 |
 | difference of two rates | `rate_difference`: Newcombe's hybrid Wilson score interval (1998, method 10) and a two-sided permutation test of the difference |
 | smoothed curve | `ema`: s_0 = x_0, s_t = w · s_{t-1} + (1 - w) · x_t (w = 0: no smoothing) |
 
@@ -104,6 +106,39 @@ def welch(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> Diffe
     half = float(sps.t.ppf((1 + level) / 2, dof) * se)
     p = float(2 * sps.t.sf(abs(diff) / se, dof))
     return Difference(diff, diff - half, diff + half, p, na, nb, "Welch t-test")
+
+
+def paired_t(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> Difference:
+    """Paired t for mean(a_i - b_i) over pairs where both are finite (a and b aligned, e.g. by seed, so a
+    seed's shared warm start and eval set cancel): CI mean ± t_{n-1,(1+level)/2} · s_d / sqrt(n),
+    p = 2 · P(T_{n-1} > |mean / (s_d / sqrt(n))|). nan p and interval with < 2 pairs or zero spread."""
+    va, vb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if va.shape != vb.shape:
+        raise ValueError(f"paired_t needs aligned samples, got {va.size} and {vb.size} values")
+    d = (va - vb)[np.isfinite(va) & np.isfinite(vb)]
+    n = int(d.size)
+    mean = float(d.mean()) if n else math.nan
+    if n < 2 or np.ptp(d) == 0:
+        return Difference(mean, math.nan, math.nan, math.nan, n, n, "paired t-test")
+    se = float(d.std(ddof=1) / math.sqrt(n))
+    half = float(sps.t.ppf((1 + level) / 2, n - 1) * se)
+    p = float(2 * sps.t.sf(abs(mean) / se, n - 1))
+    return Difference(mean, mean - half, mean + half, p, n, n, "paired t-test")
+
+
+def ols_slope(x: Sequence[float], y: Sequence[float], level: float = LEVEL) -> Difference:
+    """Least-squares slope of y on x over the finite pairs, with its t interval (n - 2 dof) and the
+    two-sided p-value of slope = 0; returned as a Difference (diff = slope, n_a = n_b = n)."""
+    vx, vy = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    keep = np.isfinite(vx) & np.isfinite(vy)
+    vx, vy = vx[keep], vy[keep]
+    n = int(vx.size)
+    if n < 3 or np.ptp(vx) == 0:
+        return Difference(math.nan, math.nan, math.nan, math.nan, n, n, "OLS slope t-test")
+    fit = sps.linregress(vx, vy)
+    half = float(sps.t.ppf((1 + level) / 2, n - 2) * fit.stderr)
+    return Difference(float(fit.slope), float(fit.slope) - half, float(fit.slope) + half, float(fit.pvalue), n, n,
+                      "OLS slope t-test")
 
 
 def wilson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:

@@ -202,12 +202,13 @@ def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagra
     stand for every p), separates a real effect from noise, and draws phase_diagram.png."""
     from analysis.drift import dose_table
 
+    from analysis.drift import dose_trend
+
     root = tmp_path / "sweep"
-    for seed in range(5):
-        jitter = 0.01 * seed
-        _drift_run(root, "grpo_rr", seed, 0.0, 0.60 + jitter, 0.005, 0)
-        _drift_run(root, "grpo", seed, 0.0, 0.60 + jitter, 0.005, 0)
-        _drift_run(root, "grpo", seed, 0.2, 0.30 + jitter, 0.12, 1)
+    for seed in range(5):  # the same jitters in another order: equal means, nonzero paired spread
+        _drift_run(root, "grpo_rr", seed, 0.0, 0.60 + 0.01 * seed, 0.005, 0)
+        _drift_run(root, "grpo", seed, 0.0, 0.60 + 0.01 * (3 * seed % 5), 0.005, 0)
+        _drift_run(root, "grpo", seed, 0.2, 0.30 + 0.01 * (2 * seed % 5), 0.12, 1)
     runs = load_local([root], progress=False)
     table = dose_table(group_runs(runs), permutations=1000)
     assert [(r["arm"], r["drift"]) for r in table] == [
@@ -221,6 +222,9 @@ def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagra
     assert high["vs_reference"]["rate"].diff == pytest.approx(1.0)
     assert low["vs_reference"]["acc"].diff == pytest.approx(0.0, abs=1e-12)
     assert low["vs_reference"]["acc verdict"].startswith("not distinguishable")
+    assert high["vs_reference"]["acc"].test == "paired t-test"
+    slope = dose_trend(group_runs(runs))["grpo (replay=off)"]
+    assert slope.diff == pytest.approx(-0.30 / (0.12 - 0.005) * 0.1) and slope.hi < 0 and slope.n_a == 10
     out = tmp_path / "report"
     text = write_report(runs, out, "drift", [str(root)], permutations=1000).read_text()
     assert "## Drift dose-response" in text and "(any: replay wins)" in text

@@ -12,7 +12,7 @@ from analysis.figures import aggregate
 from analysis.load import Run, group_runs
 from analysis.pairs import comparable_pairs, compare_pair, format_pairs
 from analysis.report import collapse_table, format_collapse, format_summary, summary_table
-from analysis.stats import ema, mean_ci, permutation_p, rate_difference, verdict, welch
+from analysis.stats import ema, mean_ci, ols_slope, paired_t, permutation_p, rate_difference, verdict, welch
 from moe_rl.trainer.compare import comparison, format_table
 
 T_2 = 4.302652729749464  # t_{2, 0.975}, from printed tables
@@ -262,3 +262,21 @@ def test_analyze_cli_with_eval_runs_smooths_and_reports_pairs(tmp_path):
     assert pair["outcome_diff"]["diff"] == pytest.approx(-0.3, rel=1e-12)
     assert "## Pairwise differences" in text and "no verdict possible: 2 seed(s)" in text
     assert (out / "pairs_table.md").read_text().startswith("**Warning:**")
+
+
+def test_paired_t_and_ols_slope_match_scipy():
+    """paired_t equals scipy's ttest_rel (mean, p, t interval) and drops pairs with a non-finite side;
+    ols_slope equals scipy's linregress with a t interval of n - 2 dof."""
+    a, b = [0.61, 0.55, 0.40, 0.72, 0.50, math.nan], [0.58, 0.50, 0.41, 0.65, 0.44, 0.3]
+    d = paired_t(a, b)
+    ref = sps.ttest_rel(a[:5], b[:5])
+    diffs = np.subtract(a[:5], b[:5])
+    half = sps.t.ppf(0.975, 4) * diffs.std(ddof=1) / math.sqrt(5)
+    assert (d.n_a, d.test) == (5, "paired t-test") and d.p == pytest.approx(ref.pvalue)
+    assert (d.lo, d.hi) == pytest.approx((diffs.mean() - half, diffs.mean() + half))
+    with pytest.raises(ValueError, match="aligned"):
+        paired_t([1.0, 2.0], [1.0])
+    x, y = [0.0, 0.02, 0.05, 0.1, 0.2, 0.2], [0.5, 0.52, 0.47, 0.45, 0.41, 0.44]
+    s, fit = ols_slope(x, y), sps.linregress(x, y)
+    half = sps.t.ppf(0.975, 4) * fit.stderr
+    assert (s.diff, s.lo, s.hi, s.p) == pytest.approx((fit.slope, fit.slope - half, fit.slope + half, fit.pvalue))
