@@ -104,6 +104,12 @@ class WarmStartConfig:
     """Where finished warm starts are kept (not part of the cache key)."""
     seed: int = 0
     """Seed of the held-out eval examples, fixed across run seeds so every run is judged on one set."""
+    build_seed: int | None = None
+    """None (default): each run seed builds (and caches) its own warm start, so seeds also vary the
+    starting policy. An integer: every run starts from the warm start built with this seed, one policy
+    shared by all run seeds (as every arm of the paper starts from one checkpoint); run seeds then vary
+    only RL's sampling and shuffling, and one build serves a whole sweep. The cache key holds the seed
+    used, not this field: build_seed=3 reuses the entry a run with seed=3 built."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -123,6 +129,8 @@ class WarmStartConfig:
             raise ValueError("warmstart.cache_dir is empty: give a directory for finished warm starts")
         if self.seed < 0:
             raise ValueError(f"warmstart.seed={self.seed}: must be >= 0")
+        if self.build_seed is not None and self.build_seed < 0:
+            raise ValueError(f"warmstart.build_seed={self.build_seed}: must be >= 0 or null")
 
 
 @dataclass
@@ -159,7 +167,7 @@ def cache_key(
     not: builds run on BUILD_THREADS threads whatever the caller's setting.
     """
     ws = asdict(ws_cfg)
-    del ws["cache_dir"]
+    del ws["cache_dir"], ws["build_seed"]  # where it is kept; which seed builds it is `seed` below
     payload = dict(
         format=FORMAT_VERSION,
         device=torch.device(device).type,

@@ -200,9 +200,7 @@ def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagra
     """With routing.drift swept, the report adds a dose table (one row per arm and p, expert change as
     measured, collapse rate with Wilson CI), compares each drifting cell with the replay arm (whose runs
     stand for every p), separates a real effect from noise, and draws phase_diagram.png."""
-    from analysis.drift import dose_table
-
-    from analysis.drift import dose_trend
+    from analysis.drift import dose_table, dose_trend
 
     root = tmp_path / "sweep"
     for seed in range(5):  # the same jitters in another order: equal means, nonzero paired spread

@@ -80,6 +80,7 @@ def test_objective_presets_set_paper_clip_ranges_and_replay():
         ("routing.drift=nan", "routing.drift"),
         ("routing.drift_from_minibatch=0", "routing.drift_from_minibatch"),
         ("trainer.group_minibatches=true trainer.prompts_per_step=6", "trainer.group_minibatches"),
+        ("warmstart.build_seed=-1", "warmstart.build_seed"),
         ("objective=gmpo objective.loss_agg=token-mean", "objective.loss_agg"),
     ],
 )
@@ -300,6 +301,16 @@ def test_heldout_eval_is_logged_and_never_changes_training(tmp_path, warm_overri
     assert not any("eval/accuracy" in r for r in off)
     assert all(0 <= r[k] <= 1 for r in on[1:] for k in ("eval/accuracy", "eval/accuracy_greedy"))
     assert _comparable(off) == _comparable(on)
+
+
+def test_build_seed_shares_one_warm_start_across_run_seeds(warm_overrides):
+    """With warmstart.build_seed=0 a run of seed 1 starts from the cached seed-0 warm start, not its own."""
+    from moe_rl.trainer.run import _policy
+
+    own = compose_config([*TINY, *warm_overrides])
+    shared = compose_config([*TINY, *warm_overrides, "seed=1", "warmstart.build_seed=0"])
+    (_, _, ws0), (_, _, ws1) = _policy(own, progress=False), _policy(shared, progress=False)
+    assert ws1.cached and ws1.path == ws0.path
 
 
 def _comparable(rows: list[dict]) -> list[dict]:

@@ -91,6 +91,7 @@ def test_cache_key_changes_with_anything_that_changes_weights():
     ]
     assert len({base, *variants}) == len(variants) + 1
     assert cache_key(m, "arithmetic", 1, replace(ws, cache_dir="/elsewhere"), 0, 3) == base
+    assert cache_key(m, "arithmetic", 1, replace(ws, build_seed=0), 0, 3) == base  # the seed used is the key
     assert warm_start_dir(m, "arithmetic", 1, ws, 0).name == f"arithmetic-{base[:16]}"
 
 

@@ -90,7 +90,7 @@ def _policy(cfg: Config, progress: bool):
         cfg.task.name,
         cfg.task.difficulty,
         cfg.warmstart,
-        cfg.seed,
+        cfg.seed if cfg.warmstart.build_seed is None else cfg.warmstart.build_seed,
         max_new_tokens=cfg.sampler.max_new_tokens,
         progress=progress,
         device=cfg.trainer.device,
