@@ -37,8 +37,8 @@ import numpy as np  # noqa: E402
 
 from analysis.figures import BAND, _colors, _finish  # noqa: E402
 from analysis.load import Run  # noqa: E402
-from analysis.pairs import collapsed, final_eval  # noqa: E402
-from analysis.stats import mean_ci, ols_slope, paired_t, rate_difference, verdict, welch, wilson  # noqa: E402
+from analysis.pairs import collapsed, final_eval, outcome_difference  # noqa: E402
+from analysis.stats import mean_ci, ols_slope, rate_difference, verdict, wilson  # noqa: E402
 from moe_rl.trainer.compare import run_row  # noqa: E402
 
 FIELD = "routing.drift"
@@ -106,15 +106,6 @@ def dose_table(groups: Groups, permutations: int = 10_000) -> list[dict[str, Any
     return out
 
 
-def _accuracy_difference(a: list[Run], b: list[Run]):
-    """Final eval accuracy a - b: paired by seed when both ran the same seeds, else Welch."""
-    by_seed_a, by_seed_b = {r.seed: r for r in a}, {r.seed: r for r in b}
-    if len(by_seed_a) == len(a) and set(by_seed_a) == set(by_seed_b):
-        seeds = sorted(by_seed_a)
-        return paired_t([final_eval(by_seed_a[s]) for s in seeds], [final_eval(by_seed_b[s]) for s in seeds])
-    return welch([final_eval(r) for r in a], [final_eval(r) for r in b])
-
-
 def dose_trend(groups: Groups) -> dict[str, Any]:
     """Per drifting arm: the slope of (final eval acc - the reference's, same seed) on measured expert
     change, per 10 percentage points, over all the arm's runs whose seed the reference ran."""
@@ -145,7 +136,7 @@ def format_trend(trend: dict[str, Any]) -> str:
 
 
 def _versus(a: list[Run], b: list[Run], permutations: int) -> dict[str, Any]:
-    acc = _accuracy_difference(a, b)
+    acc = outcome_difference(a, b)
     rate = rate_difference([collapsed(r) for r in a], [collapsed(r) for r in b], permutations)
     return {"acc": acc, "acc verdict": _short(verdict(acc)), "rate": rate, "rate verdict": _short(verdict(rate))}
 

@@ -6,7 +6,7 @@ objective with a swept setting. For each pair (a, b), in group order:
 
 | outcome | per seed | difference a - b | test |
 |---|---|---|---|
-| final eval accuracy (or final reward when some run has no held-out eval) | `eval/accuracy` of the last row that has it; else mean `rollout/reward/mean` over the last 5 steps | difference of means, 95% Welch CI | Welch's t, two-sided |
+| final eval accuracy (or final reward when some run has no held-out eval) | `eval/accuracy` of the last row that has it; else mean `rollout/reward/mean` over the last 5 steps | mean of the per-seed differences when both groups ran the same seeds (a seed's warm start and eval set are shared by every group, so pairing removes the between-seed spread), else difference of means; 95% CI | paired t when paired, else Welch's t; two-sided |
 | collapse rate | 1 if the run logged any collapse event (`collapse/events` > 0 at its last step), else 0 | difference of rates, 95% Newcombe hybrid score CI | permutation test of the rate difference, two-sided (exact when the splits number at most `permutations`, else that many seeded random splits) |
 
 Each difference gets a sentence from analysis.stats.verdict: distinguishable from noise at 5% or not,
@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from analysis.load import Run
-from analysis.stats import MIN_SEEDS, Difference, rate_difference, verdict, welch
+from analysis.stats import MIN_SEEDS, Difference, paired_t, rate_difference, verdict, welch
 from moe_rl.trainer.compare import last_value, run_row
 
 Groups = dict[str, list[Run]]
@@ -41,6 +41,15 @@ def final_reward(run: Run) -> float:
     return run_row(run.rows)["final reward"]
 
 
+def outcome_difference(a: list[Run], b: list[Run], per_seed=final_eval) -> Difference:
+    """`per_seed(run)` of a minus b: paired t over seeds when both groups ran the same seeds once, else Welch."""
+    by_a, by_b = {r.seed: r for r in a}, {r.seed: r for r in b}
+    if len(by_a) == len(a) and len(by_b) == len(b) and set(by_a) == set(by_b):
+        seeds = sorted(by_a)
+        return paired_t([per_seed(by_a[s]) for s in seeds], [per_seed(by_b[s]) for s in seeds])
+    return welch([per_seed(r) for r in a], [per_seed(r) for r in b])
+
+
 def comparable_pairs(groups: Groups, fields: list[str]) -> list[tuple[str, str]]:
     """Pairs of group labels whose runs share the values of every varying field, in group order."""
     setting = {label: tuple(str(runs[0].flat.get(f)) for f in fields) for label, runs in groups.items()}
@@ -59,7 +68,7 @@ def compare_pair(a: list[Run], b: list[Run], permutations: int = 10_000, seed: i
     """Outcome and collapse-rate differences a - b, each with its CI, p-value and verdict."""
     use_eval = all(math.isfinite(final_eval(r)) for r in a + b)
     per_seed = final_eval if use_eval else final_reward
-    outcome = welch([per_seed(r) for r in a], [per_seed(r) for r in b])
+    outcome = outcome_difference(a, b, per_seed)
     rate = rate_difference([collapsed(r) for r in a], [collapsed(r) for r in b], permutations, seed)
     return {
         "outcome": "final eval accuracy" if use_eval else "final reward",
@@ -106,7 +115,8 @@ def format_pairs(pairs: list[dict]) -> str:
                 f"- **{a}** vs **{b}**, {name}: {_num(row['diff'], '+.3g')} {_ci(row)}: {row['verdict']}."
             )
     notes = (
-        f"Outcome CI and p: Welch's t (unequal variances). Collapse rate: fraction of seeds with any collapse "
+        f"Outcome CI and p: a paired t-test over seeds when both groups ran the same seeds, else Welch's t "
+        f"(unequal variances); the test column says which. Collapse rate: fraction of seeds with any collapse "
         f"event; CI: Newcombe's hybrid score interval; p: two-sided permutation test. A verdict needs at "
         f"least {MIN_SEEDS} seeds per group."
     )

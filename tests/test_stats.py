@@ -161,8 +161,10 @@ def test_collapse_table_fraction_has_wilson_interval():
     assert "| gspo (replay=off) | 2 | 1 | 0.50 | [0.09, 0.91] |" in format_collapse(table)
 
 
-def test_pairs_compare_eval_accuracy_with_welch_and_collapse_with_permutation():
-    """A pair's outcome is final eval accuracy when every run has it (Welch, equal to scipy), else final reward; collapse rates are compared by exact permutation."""
+def test_pairs_compare_eval_accuracy_paired_or_welch_and_collapse_with_permutation():
+    """A pair's outcome is final eval accuracy when every run has it, else final reward; it is a paired t-test
+    when both groups ran the same seeds and Welch's otherwise (each equal to scipy); collapse rates are
+    compared by exact permutation."""
     acc_a, acc_b = [0.8, 0.7, 0.9, 0.85, 0.75], [0.2, 0.3, 0.25, 0.1, 0.35]
     a = [_run("grpo", s, [0.5, 0.5], {1: v}, collapse=float(s < 4)) for s, v in enumerate(acc_a)]
     b = [_run("gspo", s, [0.1, 0.4], {1: v}) for s, v in enumerate(acc_b)]
@@ -170,8 +172,13 @@ def test_pairs_compare_eval_accuracy_with_welch_and_collapse_with_permutation():
     assert pair["outcome"] == "final eval accuracy"
     out = pair["outcome_diff"]
     assert out["diff"] == pytest.approx(np.mean(acc_a) - np.mean(acc_b), rel=1e-12)
-    assert out["p"] == pytest.approx(sps.ttest_ind(acc_a, acc_b, equal_var=False).pvalue, rel=1e-10)
-    assert out["verdict"].startswith("distinguishable from noise at 5%")
+    assert out["p"] == pytest.approx(sps.ttest_rel(acc_a, acc_b).pvalue, rel=1e-10)
+    assert out["test"] == "paired t-test" and out["verdict"].startswith("distinguishable from noise at 5%")
+    for run in b:
+        run.config["seed"] += 10  # other seeds: nothing to pair
+    welch_out = compare_pair(a, b)["outcome_diff"]
+    assert welch_out["p"] == pytest.approx(sps.ttest_ind(acc_a, acc_b, equal_var=False).pvalue, rel=1e-10)
+    assert welch_out["test"] == "Welch t-test"
     rate = pair["collapse_diff"]
     assert pair["collapse_rate"] == {"a": 0.8, "b": 0.0} and rate["diff"] == pytest.approx(0.8)
     assert rate["p"] == pytest.approx(12 / 252, rel=1e-12)  # of C(10,5) splits, 6 put all 4 ones in a, 6 none
