@@ -173,6 +173,16 @@ def _first_step(overrides: list[str]) -> tuple[dict, object]:
     return rl_step(ctx, 0), ctx
 
 
+def test_task_mix_is_validated_at_start_up():
+    """An entry of task.mix outside the task's range, or a sampler.max_new_tokens below the mix's longest
+    answer, stops at start-up with a ValueError naming task.mix; a good mix composes."""
+    with pytest.raises(ValueError, match=r"task\.mix=\[2, 40\]"):
+        compose_config(["task=sort", "task.mix=[2,40]"])
+    with pytest.raises(ValueError, match=r"sampler\.max_new_tokens=20 .*task\.mix=\[2, 16\] \(32 tokens"):
+        compose_config(["task=sort", "task.mix=[2,16]", "sampler.max_new_tokens=20"])
+    assert compose_config(["task=sort", "task.mix=[2,16]", "sampler.max_new_tokens=32"]).task.mix == [2, 16]
+
+
 @pytest.mark.parametrize("replay", ["old", "rollout"])
 def test_replay_wins_over_drift_bitwise(replay):
     """Under replay, the same seed with routing.drift 0 and 0.2 gives bitwise-identical losses and metrics."""
