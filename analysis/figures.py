@@ -13,6 +13,11 @@ The per-layer panel and the bars are not over steps and are never smoothed.
 Held-out eval (eval_accuracy.png, only when some run logged `eval/accuracy`): sampled and greedy
 accuracy at each eval step; steps without eval rows are skipped, not drawn as gaps.
 
+Length within one policy (length_variance.png, only when runs logged `length/<lo>-<hi>/*` with at
+least two populated bins): per group, each response-length bin's token-ratio, within-sequence and
+sequence-ratio variance over the off-policy mini-batches; per seed the mean over steps (steps where the
+bin is empty left out), then the mean over seeds with its 95% CI (analysis.stats.mean_ci), log y.
+
 Compute proxy (reward_vs_compute.png): cumulative sampled response tokens, sum over steps of
 prompts_per_step * group_size * `rollout/response_len/mean`. Every response token is generated once,
 scored by the old-policy forward once and trained on once per step, so training cost grows with it;
@@ -39,6 +44,13 @@ from analysis.stats import ema, mean_ci  # noqa: E402
 BAND = "95% CI over seeds (Student t)"
 Groups = dict[str, list[Run]]
 _LAYER = re.compile(r"^routing/expert_change/layer_(\d+)$")
+_LENGTH = re.compile(r"^length/(\d+)-(\d+)/token_var$")
+LENGTH_VARIANCES = {
+    "token_var": ("token ratio r_it", "-", "o"),
+    "within_seq_var": ("within sequence", "--", "s"),
+    "seq_var": ("sequence ratio s_i", ":", "^"),
+}
+"""The `length/<bin>/<key>` variances length_variance.png draws: (legend, line style, marker)."""
 
 
 def finite_mean(values) -> float:
@@ -354,6 +366,65 @@ def plot_ratio_variance(groups: Groups, out_dir: Path) -> Path:
     return _finish(fig, axes, out_dir / "ratio_variance.png", title)
 
 
+def length_bins_logged(runs: list[Run]) -> list[str]:
+    """The `length/<lo>-<hi>` bins some run logged, shortest first ("1-4", "5-8", ...)."""
+    found = {(int(m[1]), int(m[2])) for r in runs for k in r.keys() if (m := _LENGTH.match(k))}
+    return [f"{lo}-{hi}" for lo, hi in sorted(found)]
+
+
+def length_variance_stats(groups: Groups) -> dict[str, dict[str, dict[str, tuple[float, float, float]]]]:
+    """{group: {variance key: {bin: (mean, CI low, CI high)}}} over seeds of each run's mean over steps of
+    `length/<bin>/<key>` (non-finite steps left out); plus key "seqs": the mean sequences per step."""
+    bins = length_bins_logged([r for runs in groups.values() for r in runs])
+    out: dict[str, dict[str, dict[str, tuple[float, float, float]]]] = {}
+    for label, runs in groups.items():
+        out[label] = {}
+        for key in (*LENGTH_VARIANCES, "seqs"):
+            per_seed = np.array([[finite_mean(r.series(f"length/{b}/{key}")) for b in bins] for r in runs])
+            _, mean, lo, hi = aggregate_columns(per_seed.reshape(len(runs), len(bins)))
+            out[label][key] = {b: (m, low, high) for b, m, low, high in zip(bins, mean, lo, hi, strict=True)}
+    return out
+
+
+def plot_length_variance(groups: Groups, out_dir: Path) -> Path | None:
+    """Per group (one panel each, shared log y): token-ratio, within-sequence and sequence-ratio variance
+    by response-length bin within the same policy, mean over steps then over seeds with 95% CI error bars.
+    None unless some run logged at least two length bins with finite values."""
+    stats = length_variance_stats(groups)
+    bins = length_bins_logged([r for runs in groups.values() for r in runs])
+    populated = {b for g in stats.values() for b in bins if np.isfinite(g["token_var"][b][0])}
+    if len(populated) < 2:
+        return None
+    colors = _colors(groups)
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups) + 1, 4.5), sharey=True, squeeze=False)
+    axes = axes[0]
+    x = np.arange(len(bins))
+    series = {(label, key): np.array([stats[label][key][b] for b in bins]).reshape(-1, 3).T
+              for label in groups for key in LENGTH_VARIANCES}  # fmt: skip
+    # Log y over the means and upper ends; a lower end at or below 0 (a t interval over few seeds) is
+    # drawn to the axis floor rather than switching the axis to symlog.
+    shown = np.concatenate([np.concatenate([m, lo[lo > 0], hi]) for m, lo, hi in series.values()])
+    shown = shown[np.isfinite(shown) & (shown > 0)]
+    floor = shown.min() / 2 if shown.size else 1e-6
+    for ax, (label, color) in zip(axes, colors.items(), strict=True):
+        for key, (name, style, marker) in LENGTH_VARIANCES.items():
+            mean, lo, hi = series[label, key]
+            lo = np.maximum(lo, floor)
+            ax.errorbar(x, mean, yerr=[mean - lo, hi - mean], color=color, linestyle=style, marker=marker,
+                        capsize=3, label=name)  # fmt: skip
+        seqs = [stats[label]["seqs"][b][0] for b in bins]
+        ticks = [f"{b}\n({n:.0f}/step)" if np.isfinite(n) else f"{b}\n(none)" for b, n in zip(bins, seqs, strict=True)]
+        ax.set_xticks(x, ticks, fontsize="small")
+        ax.set(title=label, xlabel="response length (tokens, EOS included)\n(sequences per step)")
+        ax.title.set_fontsize("medium")
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].set_ylim(bottom=floor)
+    axes[0].set_ylabel("importance-ratio variance,\noff-policy mini-batches\n(error bars at the floor reach <= 0)")
+    title = f"Ratio variance by response length within one policy (error bars: {BAND})"
+    return _finish(fig, list(axes), out_dir / "length_variance.png", title)
+
+
 FIGURES = {
     "reward_vs_step": (plot_reward, "Mean training reward per RL step."),
     "eval_accuracy": (
@@ -380,6 +451,12 @@ FIGURES = {
     "ratio_variance": (
         plot_ratio_variance,
         "Token-level importance-ratio variance against the step's mean response length: one dot per step and seed, lines join means of equal-count length bins.",
+    ),
+    "length_variance": (
+        plot_length_variance,
+        "Ratio variance by response length within one policy: per objective, each length bin's token-ratio, "
+        "within-sequence and sequence-ratio variance over the off-policy mini-batches of the same steps "
+        "(mean over steps, then mean over seeds with 95% CI), log scale; ticks give the sequences per step.",
     ),
 }
 # Curves over RL steps, which --smooth applies to; the others are per-run means or scatter plots.

@@ -38,6 +38,12 @@ class TaskConfig:
     difficulty: int = 1
     """The task's knob: operand digits (arithmetic), items (sort), numbers (countdown). The preset
     task=sort_long is sort at 16 items: 31-character answers, 32 response tokens with EOS."""
+    mix: list[int] = field(default_factory=list)
+    """Mixed difficulties: when non-empty, each example's difficulty is drawn uniformly from this list,
+    from the example's own random stream (moe_rl.tasks.mixed), so one policy trains and is evaluated on
+    several answer lengths; e.g. [2, 4, 8, 16] with task=sort gives responses of 4 to 32 tokens with EOS.
+    task.difficulty then draws nothing (it must still be valid); every entry must be in the task's
+    difficulty range, and sampler.max_new_tokens must fit the longest. Empty (default): task.difficulty."""
     chat_template: bool = False
     """Wrap each prompt as one user turn in the tokenizer's chat template (pretrained chat models); the
     run stops with an error if the tokenizer has none. Needs warmstart.enabled=false."""
@@ -240,12 +246,12 @@ class Config:
         check_pretrained(self.model.pretrained)
         if self.task.name not in TASKS:
             raise ValueError(f"task.name={self.task.name!r}: expected one of {sorted(TASKS)}")
-        longest = make_task(self.task.name, self.task.difficulty).max_response_len + 1  # + EOS
+        longest = make_task(self.task.name, self.task.difficulty, self.task.mix).max_response_len + 1  # + EOS
         if self.sampler.max_new_tokens < longest:
+            where = f"task.mix={self.task.mix}" if self.task.mix else f"difficulty {self.task.difficulty}"
             raise ValueError(
                 f"sampler.max_new_tokens={self.sampler.max_new_tokens} is shorter than the longest "
-                f"answer of task {self.task.name} at difficulty {self.task.difficulty} ({longest} "
-                "tokens with EOS)"
+                f"answer of task {self.task.name} at {where} ({longest} tokens with EOS)"
             )
         o = self.objective
         if o.name not in OBJECTIVES:

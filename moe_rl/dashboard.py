@@ -88,12 +88,19 @@ ENTROPY = Panel("sampler entropy (nats)", ("rollout/entropy/mean",))
 STAGES = Panel(
     "seconds per step, by stage", ("time/step_s", "time/rollout_s", "time/old_forward_s", "time/train_s")
 )
+LENGTH_TOKEN_VAR = Panel("token-ratio variance by response length", regex=r"^length/\d+-\d+/token_var$", log_y=True)
+LENGTH_WITHIN_VAR = Panel(
+    "within-sequence variance by response length", regex=r"^length/\d+-\d+/within_seq_var$", log_y=True
+)
+LENGTH_SEQ_VAR = Panel("sequence-ratio variance by response length", regex=r"^length/\d+-\d+/seq_var$", log_y=True)
+LENGTH_SEQS = Panel("sequences per length bin", regex=r"^length/\d+-\d+/seqs$")
 THROUGHPUT = Panel("throughput (tokens/s)", ("throughput/tokens_per_s", "throughput/sampler_tokens_per_s"))
 
 SECTIONS = (
     Section("learning", (REWARD, EVAL, LENGTH)),
     Section("clipping", (CLIP_TOKEN, CLIP_SEQ, CLIP_SIDES, KL, OVERLAP)),
-    Section("ratios", (TOKEN_VAR, WITHIN_SEQ_VAR, SEQ_VAR, EXTREMES, SEQ_EXTREMES, EXTREME_FRAC)),
+    Section("ratios", (TOKEN_VAR, WITHIN_SEQ_VAR, SEQ_VAR, EXTREMES, SEQ_EXTREMES, EXTREME_FRAC, LENGTH_TOKEN_VAR,
+                       LENGTH_SEQ_VAR)),
     Section("routing volatility", (CHANGE, CHANGE_RESPONSE, CHANGE_LAYERS, ROLLOUT_VS_OLD)),
     Section("mismatch", (LOGP_DIFF, ROLLOUT_VS_OLD)),
     Section("collapse", (EVENTS_BY_KIND, EVENTS, ENTROPY)),
@@ -109,8 +116,8 @@ REPORTS = (
                ("objective.preset", "trainer.group_minibatches"), (CLIP_TOKEN, CLIP_SEQ, CLIP_SIDES, KL, OVERLAP)),
     ReportSpec("volatility", "Expert volatility after each update (§5.3)",
                ("model.num_layers", "model.num_experts", "trainer.lr"), (CHANGE, CHANGE_LAYERS)),
-    ReportSpec("length", "Length and noise: ratio variance vs response length (§3)",
-               ("objective.preset", "task.difficulty"), (TOKEN_VAR, WITHIN_SEQ_VAR, CLIP_TOKEN, LENGTH)),
+    ReportSpec("length", "Length and noise: ratio variance by response length within one policy (§3)",
+               ("objective.preset",), (LENGTH_TOKEN_VAR, LENGTH_WITHIN_VAR, LENGTH_SEQ_VAR, LENGTH_SEQS, LENGTH)),
     ReportSpec("replay_source", "Replay source: off vs old (R2) vs rollout (R3), fp32 and bf16 sampler",
                (*GROUPBY, "trainer.sampler_dtype"), (LOGP_DIFF, ROLLOUT_VS_OLD, REWARD, TOKEN_VAR)),
     ReportSpec("collapse_stress", "Collapse under stress: staleness and learning rate",

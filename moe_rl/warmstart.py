@@ -17,7 +17,8 @@ too-easy policy still leaves RL some signal while accuracy < 1); if accuracy nev
 
 Caching: the result is saved under `<cache_dir>/<task>-<key[:16]>/` (model and tokenizer via
 `save_pretrained`, plus `warmstart.json`), where `key` is the sha256 of everything that determines the
-weights (the device type included). Builds run on `BUILD_THREADS` torch threads, so a key's weights do
+weights (the device type included; the difficulty mix `task.mix` only when set, so entries built without
+one keep their keys). Builds run on `BUILD_THREADS` torch threads, so a key's weights do
 not depend on the caller's thread count. `warmstart.json` holds the sha256 of every file of the entry;
 an entry that fails that check is rebuilt with a warning. A valid entry is read without any lock (a
 read-only cache is usable). Concurrent builders (Hydra sweep jobs) serialise on an exclusive lock of
@@ -44,7 +45,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -160,11 +161,14 @@ def cache_key(
     max_new_tokens: int,
     *,
     device: str = "cpu",
+    mix: Sequence[int] = (),
 ) -> str:
     """sha256 hex digest of a canonical JSON of everything that determines the warm-started weights.
 
     The device type (cpu, cuda) is part of it: kernels differ, so do the weights. The thread count is
-    not: builds run on BUILD_THREADS threads whatever the caller's setting.
+    not: builds run on BUILD_THREADS threads whatever the caller's setting. A non-empty `mix` (task.mix,
+    order and repeats included: both change the draws) is; an empty one adds nothing, so the keys of
+    single-difficulty entries are those they had before task.mix existed.
     """
     ws = asdict(ws_cfg)
     del ws["cache_dir"], ws["build_seed"]  # where it is kept; which seed builds it is `seed` below
@@ -177,6 +181,7 @@ def cache_key(
         warmstart=ws,
         seed=seed,
         max_new_tokens=max_new_tokens,
+        **({"mix": list(mix)} if mix else {}),
     )
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -414,10 +419,11 @@ def _build(
     key: str,
     device: str,
     progress: bool,
+    mix: Sequence[int] = (),
 ) -> tuple[float, int]:
     """Train, then save into a temporary sibling of `final` and rename it into place; return (accuracy, steps)."""
     start = time.perf_counter()
-    task = make_task(task_name, difficulty)
+    task = make_task(task_name, difficulty, mix)
     if model_cfg.pretrained:
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.pretrained)
     else:
@@ -445,6 +451,7 @@ def _build(
             seconds=time.perf_counter() - start,
             task=task_name,
             difficulty=difficulty,
+            mix=list(mix),
             seed=seed,
             max_new_tokens=max_new_tokens,
             model=asdict(model_cfg),
@@ -470,11 +477,12 @@ def warm_start_dir(
     *,
     max_new_tokens: int | None = None,
     device: str = "cpu",
+    mix: Sequence[int] = (),
 ) -> Path:
     """The cache directory `<cache_dir>/<task>-<key[:16]>` of a warm start (its lock is `<dir>.lock`)."""
     if max_new_tokens is None:
-        max_new_tokens = make_task(task_name, difficulty).max_response_len + 1
-    key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device)
+        max_new_tokens = make_task(task_name, difficulty, mix).max_response_len + 1
+    key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device, mix=mix)
     return Path(ws_cfg.cache_dir).expanduser().resolve() / f"{task_name}-{key[:16]}"
 
 
@@ -488,12 +496,14 @@ def warm_start(
     max_new_tokens: int | None = None,
     progress: bool = True,
     device: str = "cpu",
+    mix: Sequence[int] = (),
 ) -> WarmStartResult:
     """Return a cached warm-started checkpoint for this configuration, training it first if needed.
 
     max_new_tokens: response limit of the accuracy check; default `task.max_response_len + 1` (EOS).
     Pass the RL sampler's value so the band is measured as RL will sample.
     device: where training runs; its type (cpu, cuda) is part of the cache key.
+    mix: task.mix, the difficulties examples are drawn at (empty: `difficulty` only); part of the key.
     Raises ValueError for a bad config and RuntimeError when accuracy never reaches target_low.
     """
     start = time.perf_counter()
@@ -506,9 +516,9 @@ def warm_start(
             f"seed={seed}: the run seed must be >= 0 (it seeds the train split's example stream)"
         )
     if max_new_tokens is None:
-        max_new_tokens = make_task(task_name, difficulty).max_response_len + 1
+        max_new_tokens = make_task(task_name, difficulty, mix).max_response_len + 1
     final = warm_start_dir(
-        model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens=max_new_tokens, device=device
+        model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens=max_new_tokens, device=device, mix=mix
     )
     # A finished entry never changes: a valid one is read without the lock (a read-only cache works).
     meta = _verified_meta(final)
@@ -534,10 +544,13 @@ def warm_start(
                 shutil.rmtree(stale, ignore_errors=True)
             if final.exists():
                 shutil.rmtree(final)
-            key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device)
+            key = cache_key(
+                model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device, mix=mix
+            )
             try:
                 accuracy, steps = _build(
-                    final, model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, key, device, progress
+                    final, model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, key, device,
+                    progress, mix,
                 )
             except BaseException:
                 lock_path.unlink(missing_ok=True)  # no entry: leave no lock file behind either

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -341,3 +342,52 @@ def test_real_sweep_collapse_table_counts_seeds_with_events(real_sweep):
         collapsed = sum(events > 0 for events in columns["collapse events"])
         assert (got[label]["seeds"], got[label]["collapsed"]) == (2, collapsed)
         assert got[label]["events"] == sum(columns["collapse events"])
+
+
+def _length_runs(root: Path) -> None:
+    """grpo and gspo, 3 seeds, 2 steps each, logging two populated length bins and an empty third one."""
+    for preset, scale in (("grpo", 1.0), ("gspo", 0.5)):
+        for seed in range(3):
+            rows = _metrics([0.1, 0.2])
+            for step, row in enumerate(rows):
+                for b, base in (("1-4", 0.01), ("5-8", 0.04)):
+                    row[f"length/{b}/token_var"] = scale * base * (1 + seed) * (1 + step)
+                    row[f"length/{b}/within_seq_var"] = scale * base / 2
+                    row[f"length/{b}/seq_var"] = "nan" if step == 1 else scale * base / 10
+                    row[f"length/{b}/seqs"] = 20.0 + step
+                row.update({"length/9-16/token_var": "nan", "length/9-16/within_seq_var": "nan",
+                            "length/9-16/seq_var": "nan", "length/9-16/seqs": 0.0})  # fmt: skip
+            _write_run(root / f"{preset}-{seed}", _config(preset, seed, 1e-4), rows)
+
+
+def test_length_variance_figure_from_handwritten_runs(tmp_path, hand_sweep):
+    """length_variance.png is drawn from runs that log length/<bin>/*, with each bin's value the mean over
+    seeds of the per-seed mean over steps (NaN steps left out) and its Student t CI; an empty bin stays NaN;
+    runs without length metrics (or one populated bin) get no figure."""
+    from scipy import stats as sps
+
+    from analysis.figures import length_bins_logged, length_variance_stats, plot_length_variance
+    from analysis.load import Run
+
+    _length_runs(tmp_path / "length")
+    groups = group_runs(load_local([tmp_path / "length"], progress=False))
+    assert length_bins_logged([r for runs in groups.values() for r in runs]) == ["1-4", "5-8", "9-16"]
+    stats = length_variance_stats(groups)["grpo (replay=off)"]
+    per_seed = [0.04 * (1 + seed) * 1.5 for seed in range(3)]  # mean over steps 1x and 2x
+    half = sps.t.ppf(0.975, 2) * np.std(per_seed, ddof=1) / math.sqrt(3)
+    mean, lo, hi = stats["token_var"]["5-8"]
+    assert mean == pytest.approx(np.mean(per_seed)) and hi - mean == pytest.approx(half) and mean - lo == pytest.approx(half)
+    assert stats["seq_var"]["1-4"][0] == pytest.approx(0.001)  # the NaN step is left out
+    assert stats["seqs"]["5-8"][0] == pytest.approx(20.5)
+    assert math.isnan(stats["token_var"]["9-16"][0])
+    assert length_variance_stats(groups)["gspo (replay=off)"]["within_seq_var"]["1-4"][0] == pytest.approx(0.0025)
+    (tmp_path / "out").mkdir()
+    path = plot_length_variance(groups, tmp_path / "out")
+    assert path.name == "length_variance.png" and path.read_bytes()[:8] == PNG_MAGIC
+    report = write_report(load_local([tmp_path / "length"], progress=False), tmp_path / "report", "len", [])
+    assert "length_variance.png" in report.read_text()
+    assert plot_length_variance(group_runs(load_local([hand_sweep], progress=False)), tmp_path) is None
+    one_bin = {label: [Run(r.config, [{k: v for k, v in row.items() if not k.startswith("length/5-8")}
+                                      for row in r.rows], r.events, r.source) for r in runs]
+               for label, runs in groups.items()}  # fmt: skip
+    assert plot_length_variance(one_bin, tmp_path) is None

@@ -197,6 +197,7 @@ def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)
         "ratio/token/max": max(flat_r), "ratio/token/min": min(flat_r),
         "ratio/token/extreme_frac": sum(not band[0] <= x <= band[1] for x in flat_r) / n,
         "ratio/seq/mean": statistics.fmean(s.values()), "ratio/seq/var": statistics.pvariance(s.values()),
+        "ratio/seq/max": max(s.values()), "ratio/seq/min": min(s.values()),
         "policy/approx_kl": statistics.fmean(math.exp(x) - x - 1 for x in flat_d),  # (r - 1) - log r
         "policy/logp_diff/abs_mean": statistics.fmean(abs(x) for x in flat_d),
     }
@@ -230,7 +231,8 @@ def test_on_policy_has_ratio_one_and_no_clipping(name):
     for key in ("clip/token_frac", "clip/low_frac", "clip/high_frac", "clip/seq_frac", "ratio/token/var",
                 "ratio/seq/var", "policy/approx_kl", "policy/logp_diff/abs_mean"):
         assert metrics[key] == 0.0, key
-    for key in ("ratio/token/mean", "ratio/token/max", "ratio/token/min", "ratio/seq/mean"):
+    for key in ("ratio/token/mean", "ratio/token/max", "ratio/token/min", "ratio/seq/mean", "ratio/seq/max",
+                "ratio/seq/min"):
         assert metrics[key] == 1.0, key
 
 
@@ -394,3 +396,89 @@ def test_invalid_option_values_raise_value_error(name, options):
         adv = adv[:, None].expand_as(old)
     with pytest.raises(ValueError):
         OBJECTIVES[name](logp, old, adv, mask, **{**CLIP, **options})
+
+
+# --- ratio statistics by response length (logged by the trainer over mini-batches 2..M) ---------------
+
+
+def _length_reference(rows: list[list[float]], bins: list[tuple[int, int]]) -> dict[str, float]:
+    """`length/*` by hand: rows are each sequence's token log-ratios d_it (empty: no valid token)."""
+    out = {}
+    for lo, hi in bins:
+        seqs = [[math.exp(max(-20.0, min(20.0, d))) for d in row] for row in rows if lo <= len(row) <= hi]
+        s = [math.exp(max(-20.0, min(20.0, sum(row) / len(row)))) for row in rows if lo <= len(row) <= hi]
+        tokens = [r for seq in seqs for r in seq]
+        key = f"length/{lo}-{hi}"
+        out[f"{key}/token_var"] = statistics.pvariance(tokens) if tokens else math.nan
+        within = [statistics.pvariance(seq) for seq in seqs if len(seq) >= 2]
+        out[f"{key}/within_seq_var"] = statistics.fmean(within) if within else math.nan
+        out[f"{key}/seq_var"] = statistics.pvariance(s) if s else math.nan
+        out[f"{key}/seqs"], out[f"{key}/tokens"] = float(len(seqs)), float(len(tokens))
+    return out
+
+
+def _length_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[float]]]:
+    """Hand-made [B, T] log-probs: lengths 3, 1, 0 (empty), 6, 7, 4 and 5 (one log-ratio past the clamp);
+    padding holds NaN and inf garbage."""
+    rows = [[0.1, -0.2, 0.3], [0.5], [], [0.05, -0.1, 0.2, 0.0, -0.3, 0.15], [-0.4, 0.1, 0.1, 0.2, -0.05, 0.3, 0.0],
+            [0.2, 0.2, 0.2, 0.2], [25.0, -0.1, 0.0, 0.1, 0.2]]  # fmt: skip
+    T = 8
+    mask_BT = torch.zeros(len(rows), T, dtype=torch.bool)
+    old_BT = -2.0 * torch.rand(len(rows), T, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    logp_BT = old_BT.clone()
+    for i, row in enumerate(rows):
+        mask_BT[i, : len(row)] = True
+        logp_BT[i, : len(row)] += torch.tensor(row, dtype=torch.float64)
+    logp_BT[~mask_BT], old_BT[~mask_BT] = float("nan"), -float("inf")
+    return logp_BT, old_BT, mask_BT, rows
+
+
+def test_length_bins_are_fixed_powers_of_two():
+    """Bins are [1, 4], [5, 8], [9, 16], ... up to the one holding max_len, whatever else the config says."""
+    from moe_rl.objectives.common import length_bins
+
+    assert length_bins(1) == length_bins(4) == [(1, 4)]
+    assert length_bins(32) == [(1, 4), (5, 8), (9, 16), (17, 32)]
+    assert length_bins(33)[-1] == (33, 64)
+    with pytest.raises(ValueError, match="max_len"):
+        length_bins(0)
+
+
+def test_length_metrics_match_float64_reference():
+    """Per length bin: token-ratio variance, mean within-sequence variance, sequence-ratio variance and the
+    counts equal a hand computation; an empty bin is NaN (counts 0); sums of two halves of the batch give
+    the statistics of the whole (what the trainer does over mini-batches and ranks)."""
+    from moe_rl.objectives.common import length_bins, length_metrics, length_sums
+
+    logp_BT, old_BT, mask_BT, rows = _length_batch()
+    bins = length_bins(16)  # 9-16 holds no sequence
+    got = length_metrics(length_sums(logp_BT, old_BT, mask_BT, bins), bins)
+    want = _length_reference(rows, bins)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if math.isnan(value):
+            assert math.isnan(got[key]), key
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-15), key
+    assert math.isnan(got["length/9-16/token_var"]) and got["length/9-16/seqs"] == 0.0
+    assert got["length/1-4/seqs"] == 3.0 and got["length/5-8/tokens"] == 18.0
+    assert got["length/1-4/token_var"] > 0 and got["length/5-8/seq_var"] > 0  # not vacuous
+    halves = length_sums(logp_BT[:3], old_BT[:3], mask_BT[:3], bins) + length_sums(
+        logp_BT[3:], old_BT[3:], mask_BT[3:], bins
+    )
+    pooled = length_metrics(halves, bins)
+    assert all(pooled[k] == pytest.approx(got[k], rel=1e-12) or math.isnan(got[k]) for k in got)
+
+
+def test_length_metrics_float32_inputs_and_too_long_responses():
+    """float32 log-probs give the float64 statistics to float32 rounding; a response longer than the last
+    bin raises instead of being dropped."""
+    from moe_rl.objectives.common import length_bins, length_metrics, length_sums
+
+    logp_BT, old_BT, mask_BT, rows = _length_batch()
+    bins = length_bins(8)
+    f32 = length_metrics(length_sums(logp_BT.float(), old_BT.float(), mask_BT, bins), bins)
+    f64 = length_metrics(length_sums(logp_BT, old_BT, mask_BT, bins), bins)
+    assert all(f32[k] == pytest.approx(f64[k], rel=1e-4) for k in f64)
+    with pytest.raises(ValueError, match="longer than the last bin"):
+        length_sums(logp_BT, old_BT, mask_BT, length_bins(4))

@@ -261,3 +261,48 @@ def test_countdown_targets_in_range_and_prompt_lists_numbers() -> None:
             numbers, _ = example.data
             assert len(numbers) == k and 0 <= int(example.target) <= 999
             assert example.prompt == f"reach {example.target} with " + " ".join(map(str, numbers)) + ":"
+
+
+@pytest.mark.parametrize(("name", "difficulty"), ALL_CASES, ids=_case_ids(ALL_CASES))
+def test_difficulty_of_reads_back_the_drawn_difficulty(name: str, difficulty: int) -> None:
+    """`difficulty_of` returns the difficulty every example was drawn at."""
+    task = make_task(name, difficulty)
+    assert {task.difficulty_of(ex) for ex in task.examples("train", 50, seed=0)} == {difficulty}
+
+
+@pytest.mark.parametrize(("name", "mix"), [("sort", [2, 4, 8, 16]), ("arithmetic", [1, 3]), ("countdown", [2, 5])])
+def test_mix_draws_every_listed_difficulty_reproducibly(name: str, mix: list[int]) -> None:
+    """task.mix: every listed difficulty is drawn (about uniformly), the same stream again for the same
+    (split, seed) and another for another seed or split; each example is solved and bounded at its own
+    difficulty, and the task's bound is the longest of the mix."""
+    task = make_task(name, mix[0], mix)
+    examples = task.examples("train", 400, seed=0)
+    drawn = [task.difficulty_of(ex) for ex in examples]
+    assert set(drawn) == set(mix) and min(drawn.count(d) for d in mix) > 400 / len(mix) / 2
+    assert examples == make_task(name, mix[0], mix).examples("train", 400, seed=0)
+    assert examples != task.examples("train", 400, seed=1)
+    assert [e.prompt for e in examples] != [e.prompt for e in task.examples("eval", 400, seed=0)]
+    for ex, d in zip(examples, drawn, strict=True):
+        single = make_task(name, d)
+        assert task.reward(ex, task.solve(ex)) == 1.0
+        assert len(task.solve(ex)) <= single.max_response_len <= task.max_response_len
+    assert task.max_response_len == max(make_task(name, d).max_response_len for d in mix)
+
+
+def test_mix_does_not_change_single_difficulty_streams() -> None:
+    """An empty mix is no mix: make_task gives the plain task and its examples."""
+    assert type(make_task("sort", 4, [])) is type(make_task("sort", 4))
+    assert make_task("sort", 4, []).examples("train", 20, 0) == make_task("sort", 4).examples("train", 20, 0)
+
+
+@pytest.mark.parametrize("mix", [[1, 4], [4, 33], [4, True], [4, 4.0]])
+def test_mix_entries_outside_the_range_name_the_field(mix: list) -> None:
+    """An entry of task.mix outside the task's difficulty range (or not an integer) raises ValueError naming task.mix."""
+    with pytest.raises(ValueError, match=r"task\.mix=.*\[2, 32\]"):
+        make_task("sort", 4, mix)
+
+
+def test_mix_still_validates_difficulty() -> None:
+    """With task.mix set, task.difficulty must still be a valid difficulty of the task."""
+    with pytest.raises(ValueError, match=r"task\.difficulty"):
+        make_task("sort", 1, [2, 4])

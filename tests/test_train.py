@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from moe_rl.config import Config
 from moe_rl.rollout import sample
 from moe_rl.train import CONF_DIR, to_config
+from moe_rl.trainer import step
 from moe_rl.trainer.run import _context, train
 from moe_rl.trainer.step import Batch, _old_policy, _update, rl_step
 
@@ -53,10 +54,11 @@ def test_every_config_composes(group):
 
 
 def test_every_experiment_composes():
-    """Every experiment/*.yaml composes as a global override and validates."""
+    """Every experiment/*.yaml composes as a global override and validates; a part <name>__<part> logs
+    its ablation's name (the dashboard's report filters on it)."""
     for name in _options("experiment"):
         cfg = compose_config([f"+experiment={name}"])
-        assert cfg.experiment == name
+        assert cfg.experiment == name.split("__")[0]
 
 
 def test_objective_presets_set_paper_clip_ranges_and_replay():
@@ -172,6 +174,40 @@ def _first_step(overrides: list[str]) -> tuple[dict, object]:
     cfg = compose_config(["warmstart.enabled=false", "objective=grpo", "trainer.lr=3e-3", *TINY, *overrides])
     ctx, _ = _context(cfg)
     return rl_step(ctx, 0), ctx
+
+
+def test_length_metrics_of_a_step_pool_the_off_policy_minibatches(monkeypatch):
+    """With every response in one length bin and M = 2, the step's `length/1-4/*` are the second (only
+    off-policy) mini-batch's ratio statistics, i.e. twice the objective's means over both mini-batches
+    (the on-policy one contributes 0); with M = 1 every bin is NaN with 0 sequences. Keys are fixed by
+    sampler.max_new_tokens."""
+    # The untrained policy scores 0 everywhere (advantages 0, no update): random advantages move it.
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(step, "group_advantages", lambda r, *_, **__: torch.randn(r.shape, generator=g))
+    one_bin, _ = _first_step(["sampler.max_new_tokens=4"])
+    assert not any(k.startswith("length/") and not k.startswith("length/1-4/") for k in one_bin)
+    assert one_bin["length/1-4/seqs"] == 8.0  # 4 prompts x 4 completions, half of them in mini-batch 2
+    for key, objective_key in [("token_var", "ratio/token/var"), ("seq_var", "ratio/seq/var"),
+                               ("within_seq_var", "ratio/token/within_seq_var")]:  # fmt: skip
+        assert one_bin[f"length/1-4/{key}"] == pytest.approx(2 * one_bin[objective_key], rel=1e-9), key
+    assert one_bin["length/1-4/token_var"] > 0
+    two_bins, _ = _first_step([])  # max_new_tokens 6: bins 1-4 and 5-8
+    assert two_bins["length/1-4/seqs"] + two_bins["length/5-8/seqs"] == 8.0
+    assert {k for k in two_bins if k.startswith("length/")} == {
+        f"length/{b}/{m}" for b in ("1-4", "5-8") for m in ("token_var", "within_seq_var", "seq_var", "seqs", "tokens")
+    }
+    on_policy_only, _ = _first_step(["trainer.mini_batches=1"])
+    assert on_policy_only["length/1-4/seqs"] == 0.0 and math.isnan(on_policy_only["length/5-8/token_var"])
+
+
+def test_task_mix_is_validated_at_start_up():
+    """An entry of task.mix outside the task's range, or a sampler.max_new_tokens below the mix's longest
+    answer, stops at start-up with a ValueError naming task.mix; a good mix composes."""
+    with pytest.raises(ValueError, match=r"task\.mix=\[2, 40\]"):
+        compose_config(["task=sort", "task.mix=[2,40]"])
+    with pytest.raises(ValueError, match=r"sampler\.max_new_tokens=20 .*task\.mix=\[2, 16\] \(32 tokens"):
+        compose_config(["task=sort", "task.mix=[2,16]", "sampler.max_new_tokens=20"])
+    assert compose_config(["task=sort", "task.mix=[2,16]", "sampler.max_new_tokens=32"]).task.mix == [2, 16]
 
 
 @pytest.mark.parametrize("replay", ["old", "rollout"])

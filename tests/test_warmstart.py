@@ -95,6 +95,17 @@ def test_cache_key_changes_with_anything_that_changes_weights():
     assert warm_start_dir(m, "arithmetic", 1, ws, 0).name == f"arithmetic-{base[:16]}"
 
 
+def test_cache_key_includes_the_difficulty_mix():
+    """task.mix changes the key (order and repeats too: they change the draws); an empty mix is no mix."""
+    m, ws = ModelConfig(), WarmStartConfig()
+    plain = cache_key(m, "sort", 4, ws, 0, 32)
+    mixes = [[2, 4, 8, 16], [16, 8, 4, 2], [2, 4, 8, 16, 16], [2, 4, 8]]
+    keys = [cache_key(m, "sort", 4, ws, 0, 32, mix=mix) for mix in mixes]
+    assert len({plain, *keys}) == len(mixes) + 1
+    assert cache_key(m, "sort", 4, ws, 0, 32, mix=[]) == plain
+    assert warm_start_dir(m, "sort", 4, ws, 0, mix=mixes[0]).name == f"sort-{keys[0][:16]}"  # bound 31 + EOS
+
+
 CHILD = """
 import json, sys, torch
 torch.set_num_threads(1)

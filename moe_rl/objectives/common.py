@@ -7,6 +7,7 @@ Shape legend: B = sequences in the batch, T = padded token positions, N = groups
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -302,6 +303,71 @@ def ratio_metrics(
         "policy/approx_kl": k3(old_logp_BT, logp_BT)[mask_BT].mean(),
         "policy/logp_diff/abs_mean": diff_BT.abs()[mask_BT].mean(),
     })
+
+
+LENGTH_SUMS = ("seqs", "tokens", "r1", "r1_sq", "within", "seqs_2plus", "s1", "s1_sq")
+"""Columns of `length_sums`, per bin: sequences, tokens, Σ (r_it − 1), Σ (r_it − 1)², Σ within-sequence
+variance over sequences of n_i ≥ 2 tokens, their count, Σ (s_i − 1), Σ (s_i − 1)². Shifting by 1 (near
+every ratio's value) keeps the variances computed from sums exact to float64 rounding."""
+
+
+def length_bins(max_len: int) -> list[tuple[int, int]]:
+    """Response-length bins (lo, hi), inclusive, in tokens: [1, 4], then powers of two [5, 8], [9, 16],
+    [17, 32], ..., up to the bin holding `max_len`. They depend on `max_len` only (sampler.max_new_tokens),
+    so a run's metric keys are the same at every step, and any run's bins are a prefix of a longer one's."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    bins = [(1, 4)]
+    while bins[-1][1] < max_len:
+        bins.append((bins[-1][1] + 1, 2 * bins[-1][1]))
+    return bins
+
+
+@torch.no_grad()
+def length_sums(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor, bins: list[tuple[int, int]]) -> Tensor:
+    """`[len(bins), len(LENGTH_SUMS)]` float64 sums of each response-length bin's ratio statistics.
+
+    A sequence's length is n_i = Σ_t mask_it, its valid response tokens (EOS included), the 1/|y_i| of
+    GSPO's s_i; r_it and s_i are clamped as `ratio_metrics` clamps them. Sums add over mini-batches and
+    ranks, so `length_metrics` of a sum is the statistic of the pooled sequences. Sequences without a
+    valid token count nowhere; one longer than the last bin raises.
+    """
+    mask_BT = mask_BT.bool()
+    logp_BT = torch.where(mask_BT, logp_BT.double(), 0.0)
+    old_logp_BT = torch.where(mask_BT, old_logp_BT.double(), 0.0)
+    len_B = mask_BT.sum(-1)
+    r1_BT = torch.where(mask_BT, (logp_BT - old_logp_BT).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp() - 1, 0.0)
+    n_B = len_B.clamp(min=1).double()
+    within_B = torch.where(mask_BT, r1_BT - (r1_BT.sum(-1) / n_B)[:, None], 0.0).square().sum(-1) / n_B
+    s1_B = seq_log_ratio(logp_BT, old_logp_BT, mask_BT).exp() - 1
+    two_B = (len_B >= 2).double()
+    cols_BC = torch.stack(
+        [torch.ones_like(n_B), len_B.double(), r1_BT.sum(-1), r1_BT.square().sum(-1), within_B * two_B, two_B,
+         s1_B, s1_B.square()], dim=-1,
+    )  # fmt: skip
+    keep_B = len_B > 0
+    bin_B = torch.bucketize(len_B[keep_B], torch.tensor([hi for _, hi in bins], device=len_B.device))
+    if keep_B.any() and int(bin_B.max()) >= len(bins):
+        raise ValueError(f"a response of {int(len_B.max())} tokens is longer than the last bin {bins[-1]}")
+    sums = torch.zeros(len(bins), len(LENGTH_SUMS), dtype=torch.float64, device=cols_BC.device)
+    return sums.index_add_(0, bin_B, cols_BC[keep_B])
+
+
+def length_metrics(sums: Tensor, bins: list[tuple[int, int]]) -> dict[str, float]:
+    """`length/<lo>-<hi>/*` from `length_sums` (of one mini-batch, or summed over several and over ranks):
+    token_var, within_seq_var, seq_var (population variances; NaN for a bin without the sequences they
+    need), seqs and tokens (counts, 0 when empty). Formulas: the metric table in moe_rl/trainer."""
+    out: dict[str, float] = {}
+    for (lo, hi), row in zip(bins, sums.tolist(), strict=True):
+        n, tokens, r1, r1_sq, within, n2, s1, s1_sq = row
+        key = f"length/{lo}-{hi}"
+        # max(0, ·): E[x²] − E[x]² can round a hair below zero when every value is equal.
+        out[f"{key}/token_var"] = max(0.0, r1_sq / tokens - (r1 / tokens) ** 2) if tokens else math.nan
+        out[f"{key}/within_seq_var"] = within / n2 if n2 else math.nan
+        out[f"{key}/seq_var"] = max(0.0, s1_sq / n - (s1 / n) ** 2) if n else math.nan
+        out[f"{key}/seqs"] = n
+        out[f"{key}/tokens"] = tokens
+    return out
 
 
 def group_advantages(

@@ -1,24 +1,32 @@
 """Verifiable synthetic tasks: character-level prompts, 0/1 rewards and demonstration solvers.
 
 Tasks: "arithmetic" (difficulty = operand digits, 1..6), "sort" (difficulty = item count, 2..32),
-"countdown" (difficulty = how many numbers, 2..6). Build one with `make_task(name, difficulty)`.
+"countdown" (difficulty = how many numbers, 2..6). Build one with `make_task(name, difficulty)`, or
+with `make_task(name, difficulty, mix)` one whose examples are drawn at the difficulties in `mix`
+(`MixedTask`, task.mix).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from moe_rl.tasks.arithmetic import ArithmeticTask
 from moe_rl.tasks.base import ALPHABET, SPLITS, Example, Task, split_seed
 from moe_rl.tasks.countdown import CountdownTask
+from moe_rl.tasks.mixed import MixedTask
 from moe_rl.tasks.sort import SortTask
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ArithmeticTask, SortTask, CountdownTask)}
 """Registry of task classes by `Task.name`."""
 
 
-def make_task(name: str, difficulty: int) -> Task:
-    """Build the task called `name` at `difficulty`; ValueError naming `task.name` / `task.difficulty`."""
+def make_task(name: str, difficulty: int, mix: Sequence[int] = ()) -> Task:
+    """Build the task called `name` at `difficulty`, or, when `mix` is non-empty, a `MixedTask` drawing
+    each example's difficulty from `mix`; ValueError naming `task.name`, `task.difficulty` or `task.mix`."""
     if name not in TASKS:
         raise ValueError(f"task.name must be one of {sorted(TASKS)}, got {name!r}")
+    if mix:
+        return MixedTask(TASKS[name], difficulty, mix)
     return TASKS[name](difficulty)
 
 
@@ -29,6 +37,7 @@ __all__ = [
     "ArithmeticTask",
     "CountdownTask",
     "Example",
+    "MixedTask",
     "SortTask",
     "Task",
     "make_task",

@@ -50,6 +50,10 @@ class ArithmeticTask(Task):
         """Return the exact result."""
         return example.target
 
+    def difficulty_of(self, example: Example) -> int:
+        """d, the digits of the first operand (d = 1 draws 0..9, d > 1 exactly d digits)."""
+        return len(str(example.data[0]))
+
     @property
     def max_response_len(self) -> int:
         """d + 1: a sum carries into one extra digit; a difference has at most d digits and a sign."""

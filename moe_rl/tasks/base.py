@@ -50,7 +50,8 @@ class Task(abc.ABC):
     """A verifiable task family at one difficulty.
 
     Subclasses set `name`, `min_difficulty`, `max_difficulty` and implement `sample`, `is_correct`,
-    `solve` and `max_response_len`. `is_correct` must return False, never raise, on any string.
+    `solve`, `max_response_len` and `difficulty_of`. `is_correct` must return False, never raise, on any
+    string.
     """
 
     name: ClassVar[str]
@@ -85,6 +86,10 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def max_response_len(self) -> int:
         """Upper bound on the characters of a `solve` response at this difficulty."""
+
+    @abc.abstractmethod
+    def difficulty_of(self, example: Example) -> int:
+        """The difficulty `example` was drawn at, read from its `data` (task.mix draws several)."""
 
     def reward(self, example: Example, response: str) -> float:
         """Return 1.0 if `response` solves `example`, else 0.0 (binary, so mean reward = accuracy)."""

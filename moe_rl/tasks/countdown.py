@@ -106,6 +106,10 @@ class CountdownTask(Task):
         """Return the generating expression."""
         return example.data[1]
 
+    def difficulty_of(self, example: Example) -> int:
+        """k, how many numbers are given."""
+        return len(example.data[0])
+
     @property
     def max_response_len(self) -> int:
         """k numbers, k - 1 operators and one pair of parentheses per non-root internal node (k - 2)."""

@@ -41,6 +41,10 @@ class SortTask(Task):
         """Return the sorted items."""
         return example.target
 
+    def difficulty_of(self, example: Example) -> int:
+        """N, the number of items."""
+        return len(example.data)
+
     @property
     def max_response_len(self) -> int:
         """2N - 1: N single digits and N - 1 separating spaces."""

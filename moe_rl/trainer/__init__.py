@@ -9,7 +9,9 @@ log the same quantity:
 - `throughput/*` and `routing/replay_cache_bytes`: the sum;
 - other means: weighted by each rank's response tokens (`TOKEN_MEANS`: the clip and ratio means),
   valid positions (`POSITION_MEANS`, and expert change, reduced per mini-batch) or rows (the rest);
-- variances and `routing/load_cv/mean`: the weighted mean of the ranks' values, not the global statistic.
+- variances and `routing/load_cv/mean`: the weighted mean of the ranks' values, not the global statistic;
+- except `length/*`: every rank's sums (`objectives.common.length_sums`) are added, so these are the
+  statistics of all ranks' sequences, exactly as one process computes them.
 
 NaN/inf: one convention in metrics.jsonl, events.jsonl and summary.json (moe_rl.trainer.logging): a
 non-finite value is written as the string "nan", "inf" or "-inf", so each file is strict JSON; readers
@@ -24,6 +26,10 @@ finite metrics of the last step.
 | `rollout/entropy/mean` | mean entropy (nats) of the sampler's token distributions softmax(logits / T) |
 | `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches; `clip/dual_frac` only with `objective.clip_ratio_c` |
 | `rollout_is/mean`, `rollout_is/max`, `rollout_is/clipped_frac`, `rollout_is/masked_frac` | with `objective.rollout_is` only: the sampler correction ρ = π_old / π_sampler before truncation (mean, max) and the fraction of tokens truncated (`*_truncate`) or masked (`*_mask`); formulas in moe_rl.objectives |
+| `length/<lo>-<hi>/token_var` | ratios by response length within one step and one policy: over the sequences of mini-batches 2..M (every rank) whose response has n_i tokens (EOS included) with lo ≤ n_i ≤ hi, the population variance of their token ratios r_it (moe_rl.objectives notation), 1/N_bin Σ (r_it − mean r)², pooled over those mini-batches. Bins are fixed: `1-4`, `5-8`, `9-16`, `17-32`, ... up to the one holding `sampler.max_new_tokens` (`objectives.common.length_bins`), so keys never change within a run |
+| `length/<lo>-<hi>/within_seq_var` | the same sequences with n_i ≥ 2: mean over them of 1/n_i Σ_t (r_it − mean_t r_it)² |
+| `length/<lo>-<hi>/seq_var` | the same sequences: population variance of GSPO's length-normalised s_i, 1/B_bin Σ (s_i − mean s)² |
+| `length/<lo>-<hi>/seqs`, `length/<lo>-<hi>/tokens` | how many sequences (B_bin) and tokens (N_bin) the bin's statistics are over, to weight means over steps. An empty bin logs 0 here and NaN in the three variances (never 0); with one mini-batch every bin is empty |
 | `train/loss`, `train/grad_norm` | mean over mini-batches (grad norm before clipping) |
 | `train/lr` | learning rate after the step |
 | `train/aux_loss` | the family's load-balancing loss of the update forward, mean over mini-batches (only when `model.router_aux_loss_coef` > 0; the loss adds coef x this) |

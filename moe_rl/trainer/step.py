@@ -36,6 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
 from moe_rl.objectives import OBJECTIVES, group_advantages
+from moe_rl.objectives.common import LENGTH_SUMS, length_bins, length_metrics, length_sums
 from moe_rl.rollout import Rollout, response_logprobs, response_logprobs_and_aux, sample
 from moe_rl.routing import (
     Drift,
@@ -279,7 +280,8 @@ def _update(
     `layers`, the expert change per layer over valid positions; `response`, over response positions
     (`_response_positions`); `rollout`, the sampler's routing vs this forward's; `drift`, [swapped slots,
     valid slots] when routing.drift > 0. Expert change compares the routing this forward used absent
-    replay (free, or drifted) with the old policy's."""
+    replay (free, or drifted) with the old policy's. On the off-policy mini-batches (minibatch > 0) it
+    also holds `length`, the flattened `length_sums` of this forward's ratios (summed over them later)."""
     cfg = ctx.cfg
     R = batch.response_mask_BR.shape[1]
     replay = {
@@ -324,6 +326,9 @@ def _update(
         rollout_is=o.rollout_is,
         rollout_is_cap=o.rollout_is_cap,
     )
+    if minibatch > 0:  # the first mini-batch is on-policy: every ratio is 1 there
+        bins = length_bins(cfg.sampler.max_new_tokens)
+        change["length"] = length_sums(logp_bR, old_logp_bR, batch.response_mask_BR[sl], bins).flatten().tolist()
     if aux_loss is not None:  # the family's load-balancing loss (model.router_aux_loss_coef > 0)
         loss = loss + aux_coef * aux_loss
         metrics["train/aux_loss"] = aux_loss.item()
@@ -459,6 +464,12 @@ def _reduced_metrics(
         swapped_slots = [r["changes"][j]["drift"] for r in ranks for j in range(first, M)]
         slots = sum(n for _, n in swapped_slots)
         metrics["routing/drift/applied_frac"] = sum(k for k, _ in swapped_slots) / slots if slots else 0.0
+    # Ratio statistics by response length, pooled over mini-batches 2..M of all ranks: sums, so exact.
+    bins = length_bins(ctx.cfg.sampler.max_new_tokens)
+    sums = torch.zeros(len(bins) * len(LENGTH_SUMS), dtype=torch.float64)
+    for change in (c for r in ranks for c in r["changes"][1:]):
+        sums += torch.tensor(change["length"], dtype=torch.float64)
+    metrics.update(length_metrics(sums.view(len(bins), -1), bins))
     metrics.update(reduce_metrics([r["local"] for r in ranks], [r["counts"] for r in ranks]))
     return metrics, per_mb
 
