@@ -170,6 +170,10 @@ def test_config_diff_ignores_only_resume_safe_fields():
     other = {"seed": 5, "objective": {"name": "grpo"}, "trainer": {"steps": 4, "threads": 1}, "logger": {"wandb": True}}
     assert config_diff(saved, same) == []
     assert config_diff(saved, other) == ["objective.name", "seed"]
+    # A field added to the schema after the checkpoint: no change at its default, a change otherwise.
+    older = {k: v for k, v in saved.items() if k != "seed"}
+    assert config_diff(older, same, defaults={"seed": saved["seed"]}) == []
+    assert config_diff(older, other, defaults={"seed": saved["seed"]}) == ["objective.name", "seed"]
 
 
 def test_resume_with_changed_config_is_refused_in_one_line_unless_forced(tmp_path):

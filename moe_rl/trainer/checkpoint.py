@@ -187,12 +187,20 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted names of the fields, outside RESUME_SAFE, whose values differ between two configs."""
-    a, b = _flatten(saved), _flatten(current)
+def config_diff(saved: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+    """Dotted names of the fields, outside RESUME_SAFE, whose values differ between two configs.
+
+    A field the saved config lacks (added to the schema after the checkpoint was written) is no change
+    when the current value is its schema default in `defaults`: a new field defaults to the old behaviour.
+    """
+    a, b, d = _flatten(saved), _flatten(current), _flatten(defaults or {})
     safe = tuple(RESUME_SAFE)
     return sorted(
-        k for k in set(a) | set(b) if not (k in safe or k.startswith(safe)) and a.get(k) != b.get(k)
+        k
+        for k in set(a) | set(b)
+        if not (k in safe or k.startswith(safe))
+        and a.get(k) != b.get(k)
+        and not (k not in a and k in d and b.get(k) == d[k])
     )
 
 
@@ -208,7 +216,9 @@ def restore_hydra_files(run_dir: Path, files: dict[str, str]) -> None:
         (run_dir / ".hydra" / name).write_text(text)
 
 
-def resume_state(run_dir: Path, config: dict[str, Any], *, force: bool) -> dict[str, Any] | None:
+def resume_state(
+    run_dir: Path, config: dict[str, Any], *, force: bool, defaults: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """The checkpoint to resume from, or None (with a warning) when the folder has none.
 
     Raises CheckpointError when the folder's checkpoints are unusable, and RunError when the
@@ -218,7 +228,7 @@ def resume_state(run_dir: Path, config: dict[str, Any], *, force: bool) -> dict[
     if state is None:
         warnings.warn(f"resume=true, but {run_dir} has no checkpoint: starting fresh", RuntimeWarning, stacklevel=2)
         return None
-    diff = config_diff(state["config"], config)
+    diff = config_diff(state["config"], config, defaults)
     if diff and not force:
         restore_hydra_files(run_dir, state.get("hydra", {}))
         shown = ", ".join(f"{k} ({_flatten(state['config']).get(k)!r} -> {_flatten(config).get(k)!r})" for k in diff)

@@ -228,7 +228,11 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     run_dir = Path(dist.broadcast(str(run_dir)))  # Hydra's timestamped folder may differ by a second
     run_dir.mkdir(parents=True, exist_ok=True)
     # Before any compute: a refused resume or an unusable checkpoint stops here in one line.
-    state = resume_state(run_dir, dataclasses.asdict(cfg), force=cfg.resume_force) if cfg.resume else None
+    state = (
+        resume_state(run_dir, dataclasses.asdict(cfg), force=cfg.resume_force, defaults=dataclasses.asdict(Config()))
+        if cfg.resume
+        else None
+    )
     hydra = state.get("hydra", {}) if state else hydra_files(run_dir)
     done = finished_summary(run_dir, state, cfg.trainer.steps) if state else None
     if done is not None:
