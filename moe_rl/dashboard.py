@@ -127,6 +127,8 @@ REPORTS = (
     ReportSpec("drift_dose_fixes", "Drift dose-response of CISPO and GMPO",
                ("objective.preset", "routing.drift"),
                (EVAL, EVENTS_BY_KIND, CHANGE_RESPONSE, TOKEN_VAR, EXTREMES, SEQ_EXTREMES)),
+    ReportSpec("stability_fine", "Stability in the natural high-volatility regime (claim 1)", GROUPBY,
+               (EVAL, REWARD, EVENTS_BY_KIND, CHANGE, TOKEN_VAR)),
     ReportSpec("natural_search", "Natural volatility: expert change after one update, and learning, by setting",
                ("model.num_experts", "trainer.lr", "trainer.mini_batches"), (CHANGE, CHANGE_RESPONSE, EVAL, REWARD)),
     ReportSpec("drift_dose", "Drift dose-response: stability against injected routing drift (claim 1)",
