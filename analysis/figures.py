@@ -410,7 +410,9 @@ def plot_length_variance(groups: Groups, out_dir: Path) -> Path | None:
         for key, (name, style, marker) in LENGTH_VARIANCES.items():
             mean, lo, hi = series[label, key]
             lo = np.maximum(lo, floor)
-            ax.errorbar(x, mean, yerr=[mean - lo, hi - mean], color=color, linestyle=style, marker=marker,
+            # A mean at or below the floor (a variance of 0: one sequence in the bin) gets no bar below it.
+            yerr = np.nan_to_num(np.clip([mean - lo, hi - mean], 0, None))
+            ax.errorbar(x, mean, yerr=yerr, color=color, linestyle=style, marker=marker,
                         capsize=3, label=name)  # fmt: skip
         seqs = [stats[label]["seqs"][b][0] for b in bins]
         ticks = [f"{b}\n({n:.0f}/step)" if np.isfinite(n) else f"{b}\n(none)" for b, n in zip(bins, seqs, strict=True)]

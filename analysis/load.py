@@ -215,7 +215,10 @@ def load_wandb(path: str, group: str | None, progress: bool = True) -> list[Run]
 
 
 def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
+    # An empty list is how a list option says "off", as a field the run's code predates does (None).
+    if isinstance(value, list):
+        return tuple(value) if value else None
+    return value
 
 
 def varying_fields(runs: list[Run]) -> list[str]:
