@@ -234,12 +234,12 @@ def test_minibatch_overlap_is_measured_and_group_minibatches_remove_it():
 
 def test_minibatch_overlap_counts_identical_sequences():
     """duplicate_frac counts later rows whose prompt and response equal a row of an earlier mini-batch."""
-    from moe_rl.trainer.step import _minibatch_overlap
+    from moe_rl.trainer.step_metrics import minibatch_overlap
 
     ids = torch.tensor([[5, 6, 7, 0], [5, 6, 8, 0], [5, 6, 7, 0], [9, 9, 9, 9]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
     batch = Batch(ids, mask, None, None, None, None, None)
-    m = _minibatch_overlap(batch, torch.tensor([0, 0, 0, 1]), [slice(0, 2), slice(2, 4)])
+    m = minibatch_overlap(batch, torch.tensor([0, 0, 0, 1]), [slice(0, 2), slice(2, 4)])
     assert m == {"minibatch/sibling_frac": 0.5, "minibatch/duplicate_frac": 0.5}
 
 

@@ -45,12 +45,17 @@ from moe_rl.routing import (
     RoutingTrace,
     expert_change_by_layer,
     expert_change_fraction,
-    expert_load,
-    router_entropy,
 )
 from moe_rl.tasks import Task
 from moe_rl.trainer.collapse import CollapseDetector
 from moe_rl.trainer.distributed import Dist, minibatch_rows, reduce_metrics
+from moe_rl.trainer.step_metrics import (
+    change_metrics,
+    finite_mean,
+    minibatch_overlap,
+    rollout_metrics,
+    routing_metrics,
+)
 
 
 @dataclass
@@ -80,11 +85,6 @@ class Batch:
             roll.logp_BR[perm_B],
             trace,
         )
-
-
-def _mean(values: list[float]) -> float:
-    finite = [v for v in values if not math.isnan(v)]
-    return sum(finite) / len(finite) if finite else math.nan
 
 
 @dataclass
@@ -171,18 +171,6 @@ def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor]:
     return roll, torch.tensor(rewards, dtype=torch.float32)
 
 
-def _rollout_metrics(rows: list[list[float]]) -> dict[str, float]:
-    """Rollout metrics over all ranks' rows, each row (reward, response tokens, summed token entropy)."""
-    reward_B, length_B, entropy_B = torch.tensor(rows, dtype=torch.float64).T
-    return {
-        "rollout/reward/mean": reward_B.mean().item(),
-        "rollout/reward/std": reward_B.std().item(),
-        "rollout/accuracy": (reward_B == 1).double().mean().item(),
-        "rollout/response_len/mean": length_B.mean().item(),
-        "rollout/entropy/mean": (entropy_B.sum() / length_B.sum()).item(),
-    }
-
-
 def _sampler_trace(batch: Batch, sl: slice) -> RoutingTrace:
     """The sampler's routing of a mini-batch, for R3; raises rather than fall back to free routing."""
     if batch.sampler_trace is None:
@@ -266,6 +254,56 @@ def _routing_change(
     return change
 
 
+def _objective(
+    ctx: StepContext,
+    batch: Batch,
+    sl: slice,
+    logp_bR: torch.Tensor,
+    old_logp_bR: torch.Tensor,
+    ref_logp_bR: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The configured objective's (loss, metrics) on mini-batch `sl`: the one registry lookup."""
+    o = ctx.cfg.objective
+    return OBJECTIVES[o.name](
+        logp_bR,
+        old_logp_bR,
+        batch.adv_B[sl],
+        batch.response_mask_BR[sl],
+        clip_low=o.clip_low,
+        clip_high=o.clip_high,
+        loss_agg=o.loss_agg,
+        max_len=ctx.cfg.sampler.max_new_tokens,
+        beta=o.beta,
+        ref_logp=ref_logp_bR,
+        extreme_band=tuple(o.extreme_band),
+        kl_estimator=o.kl_estimator,
+        clip_ratio_c=o.clip_ratio_c,
+        sampler_logp=batch.sampler_logp_BR[sl],
+        rollout_is=o.rollout_is,
+        rollout_is_cap=o.rollout_is_cap,
+    )
+
+
+def _optimizer_step(ctx: StepContext, step: int, loss: torch.Tensor) -> float:
+    """Backward, clip and step; returns the gradient norm (nan when the loss was not finite). A non-finite
+    loss or gradient norm skips the update and is noted with the collapse detector."""
+    # Every rank must skip or take the update alike (a backward is a collective): decide on the sum.
+    loss_sum = ctx.dist.sum([loss.item()])[0]
+    if not math.isfinite(loss_sum):
+        ctx.detector.nonfinite(step, loss_sum / ctx.dist.world, "train/loss")
+        return math.nan
+    ctx.dist.collective(loss.backward)  # DDP and FSDP reduce gradients across ranks in backward
+    norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.cfg.trainer.grad_clip)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+    if math.isfinite(grad_norm):
+        ctx.optimizer.step()
+    else:
+        ctx.detector.nonfinite(step, grad_norm, "train/grad_norm")
+    ctx.optimizer.zero_grad(set_to_none=True)
+    ctx.scheduler.step()
+    return grad_norm
+
+
 def _update(
     ctx: StepContext,
     step: int,
@@ -307,25 +345,7 @@ def _update(
     if ctx.ref_model is not None:
         with torch.no_grad():
             ref_logp = response_logprobs(ctx.ref_model, ids_bS, attn_bS, R, temperature)
-    o = cfg.objective
-    loss, metrics = OBJECTIVES[o.name](
-        logp_bR,
-        old_logp_bR,
-        batch.adv_B[sl],
-        batch.response_mask_BR[sl],
-        clip_low=o.clip_low,
-        clip_high=o.clip_high,
-        loss_agg=o.loss_agg,
-        max_len=cfg.sampler.max_new_tokens,
-        beta=o.beta,
-        ref_logp=ref_logp,
-        extreme_band=tuple(o.extreme_band),
-        kl_estimator=o.kl_estimator,
-        clip_ratio_c=o.clip_ratio_c,
-        sampler_logp=batch.sampler_logp_BR[sl],
-        rollout_is=o.rollout_is,
-        rollout_is_cap=o.rollout_is_cap,
-    )
+    loss, metrics = _objective(ctx, batch, sl, logp_bR, old_logp_bR, ref_logp)
     if minibatch > 0:  # the first mini-batch is on-policy: every ratio is 1 there
         bins = length_bins(cfg.sampler.max_new_tokens)
         change["length"] = length_sums(logp_bR, old_logp_bR, batch.response_mask_BR[sl], bins).flatten().tolist()
@@ -334,22 +354,7 @@ def _update(
         metrics["train/aux_loss"] = aux_loss.item()
     loss = loss * loss_scale
     metrics["train/loss"] = loss.item()
-    metrics["train/grad_norm"] = math.nan
-    # Every rank must skip or take the update alike (a backward is a collective): decide on the sum.
-    loss_sum = ctx.dist.sum([metrics["train/loss"]])[0]
-    if not math.isfinite(loss_sum):
-        ctx.detector.nonfinite(step, loss_sum / ctx.dist.world, "train/loss")
-        return metrics, change
-    ctx.dist.collective(loss.backward)  # DDP and FSDP reduce gradients across ranks in backward
-    norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), cfg.trainer.grad_clip)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
-    metrics["train/grad_norm"] = grad_norm
-    if math.isfinite(grad_norm):
-        ctx.optimizer.step()
-    else:
-        ctx.detector.nonfinite(step, grad_norm, "train/grad_norm")
-    ctx.optimizer.zero_grad(set_to_none=True)
-    ctx.scheduler.step()
+    metrics["train/grad_norm"] = _optimizer_step(ctx, step, loss)
     return metrics, change
 
 
@@ -386,8 +391,8 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     ctx.sync_sampler()
     t3 = time.perf_counter()
 
-    local = _routing_metrics(batch, old_trace, torch.cat(old_logps), cfg.routing.replay)
-    local.update(_minibatch_overlap(batch, perm_B // t.group_size, slices))
+    local = routing_metrics(batch, old_trace, torch.cat(old_logps), cfg.routing.replay)
+    local.update(minibatch_overlap(batch, perm_B // t.group_size, slices))
     tokens = int(batch.valid_BS1.sum()) + len(perm_B)
     local.update(
         {
@@ -438,12 +443,12 @@ def _reduced_metrics(
             "counts": _counts(batch, slice(None)),
         }
     )
-    metrics = _rollout_metrics([row for r in ranks for row in r["rows"]])
+    metrics = rollout_metrics([row for r in ranks for row in r["rows"]])
     M = len(slices)
     mb_counts = [[r["mb_counts"][j] for r in ranks] for j in range(M)]
     per_mb = [reduce_metrics([r["per_mb"][j] for r in ranks], mb_counts[j]) for j in range(M)]
     for key in per_mb[0]:
-        metrics[key] = _mean([m[key] for m in per_mb])
+        metrics[key] = finite_mean([m[key] for m in per_mb])
     metrics["train/lr"] = ctx.scheduler.get_last_lr()[0]
     # Each mini-batch's expert change over all ranks: per layer a mean over valid positions, over the
     # response a mean over response tokens.
@@ -454,9 +459,9 @@ def _reduced_metrics(
 
     layers = [over_ranks(j, "layers", "positions") for j in range(M)]
     response = [float(over_ranks(j, "response", "tokens")) for j in range(M)]
-    metrics.update(_change_metrics(layers, response))
+    metrics.update(change_metrics(layers, response))
     if "rollout" in changes[0]:
-        metrics["routing/rollout_vs_current/frac"] = _mean(
+        metrics["routing/rollout_vs_current/frac"] = finite_mean(
             [float(over_ranks(j, "rollout", "positions")) for j in range(M)]
         )
     if "drift" in changes[0]:  # over the mini-batches that drift (all ranks): swapped / valid slots
@@ -491,56 +496,3 @@ def _counts(batch: Batch, sl: slice) -> dict[str, float]:
     }
 
 
-def _minibatch_overlap(batch: Batch, group_B: torch.Tensor, slices: list[slice]) -> dict[str, float]:
-    """How much of mini-batches 2..M was already seen, in part, by an earlier update of the same step:
-    `minibatch/sibling_frac`, rows whose group (prompt) had a row in an earlier mini-batch;
-    `minibatch/duplicate_frac`, rows whose whole sequence (prompt and response) equals a row of an
-    earlier mini-batch. NaN with one mini-batch. `group_B` is each row's group index."""
-    seen_groups: set[int] = set()
-    seen_seqs: set[tuple[int, ...]] = set()
-    sibling = duplicate = later = 0
-    for j, sl in enumerate(slices):
-        groups = group_B[sl].tolist()
-        ids_bS, keep_bS = batch.input_ids_BS[sl], batch.attention_mask_BS[sl].bool()
-        seqs = [tuple(ids[keep].tolist()) for ids, keep in zip(ids_bS, keep_bS, strict=True)]
-        if j > 0:
-            later += len(groups)
-            sibling += sum(g in seen_groups for g in groups)
-            duplicate += sum(q in seen_seqs for q in seqs)
-        seen_groups.update(groups)
-        seen_seqs.update(seqs)
-    return {
-        "minibatch/sibling_frac": sibling / later if later else math.nan,
-        "minibatch/duplicate_frac": duplicate / later if later else math.nan,
-    }
-
-
-def _routing_metrics(
-    batch: Batch, old_trace: RoutingTrace, old_logp_BR: torch.Tensor, replay: str
-) -> dict[str, float]:
-    valid = batch.valid_BS1
-    out = {
-        "routing/load_cv/mean": float(expert_load(old_trace, valid)["cv"].mean()),
-        "routing/entropy/mean": float(router_entropy(old_trace, valid).mean()),
-        # Bytes of expert ids a replay must hold for the step (logits are recorded for metrics only).
-        "routing/replay_cache_bytes": float(0 if replay == "off" else old_trace.expert_ids_BTLK.nbytes),
-        "mismatch/logp_abs_diff/mean": float(
-            (batch.sampler_logp_BR - old_logp_BR)[batch.response_mask_BR].abs().mean()
-        ),
-    }
-    if batch.sampler_trace is not None:
-        out["routing/rollout_vs_old/frac"] = expert_change_fraction(batch.sampler_trace, old_trace, valid)
-    return out
-
-
-def _change_metrics(changes: list[torch.Tensor], response: list[float]) -> dict[str, float]:
-    """Expert-change metrics from each mini-batch's per-layer change `[L]` and its change over response
-    positions (metric table in __init__.py)."""
-    out = {"routing/expert_change/first_minibatch": float(changes[0].mean())}
-    if len(changes) > 1:
-        later_L = torch.stack(changes[1:]).mean(0)
-        out["routing/expert_change/frac"] = float(later_L.mean())
-        out["routing/expert_change/response_frac"] = _mean(response[1:])
-        out["routing/expert_change/after_one_update"] = float(changes[1].mean())
-        out.update({f"routing/expert_change/layer_{i}": float(v) for i, v in enumerate(later_L)})
-    return out

@@ -1,0 +1,86 @@
+"""Metrics of one RL step that are pure functions of its batch, traces and per-mini-batch results (the
+metric table is in moe_rl/trainer/__init__.py). Shape legend as in moe_rl/trainer/step.py."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from moe_rl.routing import RoutingTrace, expert_change_fraction, expert_load, router_entropy
+
+if TYPE_CHECKING:
+    from moe_rl.trainer.step import Batch
+
+
+def finite_mean(values: list[float]) -> float:
+    """Mean of the non-NaN values; NaN when there are none."""
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+def rollout_metrics(rows: list[list[float]]) -> dict[str, float]:
+    """Rollout metrics over all ranks' rows, each row (reward, response tokens, summed token entropy)."""
+    reward_B, length_B, entropy_B = torch.tensor(rows, dtype=torch.float64).T
+    return {
+        "rollout/reward/mean": reward_B.mean().item(),
+        "rollout/reward/std": reward_B.std().item(),
+        "rollout/accuracy": (reward_B == 1).double().mean().item(),
+        "rollout/response_len/mean": length_B.mean().item(),
+        "rollout/entropy/mean": (entropy_B.sum() / length_B.sum()).item(),
+    }
+
+
+def minibatch_overlap(batch: Batch, group_B: torch.Tensor, slices: list[slice]) -> dict[str, float]:
+    """How much of mini-batches 2..M was already seen, in part, by an earlier update of the same step:
+    `minibatch/sibling_frac`, rows whose group (prompt) had a row in an earlier mini-batch;
+    `minibatch/duplicate_frac`, rows whose whole sequence (prompt and response) equals a row of an
+    earlier mini-batch. NaN with one mini-batch. `group_B` is each row's group index."""
+    seen_groups: set[int] = set()
+    seen_seqs: set[tuple[int, ...]] = set()
+    sibling = duplicate = later = 0
+    for j, sl in enumerate(slices):
+        groups = group_B[sl].tolist()
+        ids_bS, keep_bS = batch.input_ids_BS[sl], batch.attention_mask_BS[sl].bool()
+        seqs = [tuple(ids[keep].tolist()) for ids, keep in zip(ids_bS, keep_bS, strict=True)]
+        if j > 0:
+            later += len(groups)
+            sibling += sum(g in seen_groups for g in groups)
+            duplicate += sum(q in seen_seqs for q in seqs)
+        seen_groups.update(groups)
+        seen_seqs.update(seqs)
+    return {
+        "minibatch/sibling_frac": sibling / later if later else math.nan,
+        "minibatch/duplicate_frac": duplicate / later if later else math.nan,
+    }
+
+
+def routing_metrics(
+    batch: Batch, old_trace: RoutingTrace, old_logp_BR: torch.Tensor, replay: str
+) -> dict[str, float]:
+    valid = batch.valid_BS1
+    out = {
+        "routing/load_cv/mean": float(expert_load(old_trace, valid)["cv"].mean()),
+        "routing/entropy/mean": float(router_entropy(old_trace, valid).mean()),
+        # Bytes of expert ids a replay must hold for the step (logits are recorded for metrics only).
+        "routing/replay_cache_bytes": float(0 if replay == "off" else old_trace.expert_ids_BTLK.nbytes),
+        "mismatch/logp_abs_diff/mean": float(
+            (batch.sampler_logp_BR - old_logp_BR)[batch.response_mask_BR].abs().mean()
+        ),
+    }
+    if batch.sampler_trace is not None:
+        out["routing/rollout_vs_old/frac"] = expert_change_fraction(batch.sampler_trace, old_trace, valid)
+    return out
+
+
+def change_metrics(changes: list[torch.Tensor], response: list[float]) -> dict[str, float]:
+    """Expert-change metrics from each mini-batch's per-layer change `[L]` and its change over response
+    positions (metric table in __init__.py)."""
+    out = {"routing/expert_change/first_minibatch": float(changes[0].mean())}
+    if len(changes) > 1:
+        later_L = torch.stack(changes[1:]).mean(0)
+        out["routing/expert_change/frac"] = float(later_L.mean())
+        out["routing/expert_change/response_frac"] = finite_mean(response[1:])
+        out["routing/expert_change/after_one_update"] = float(changes[1].mean())
+        out.update({f"routing/expert_change/layer_{i}": float(v) for i, v in enumerate(later_L)})
+    return out
