@@ -25,6 +25,7 @@ whole x range.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -149,11 +150,9 @@ def _short(sentence: str) -> str:
 def dose_json(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The table as plain JSON values (each mean with its CI half-width and n, each difference whole)."""
     def plain(v: Any) -> Any:
-        if hasattr(v, "__dataclass_fields__"):
-            return {k: getattr(v, k) for k in v.__dataclass_fields__}
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return v
+        if dataclasses.is_dataclass(v):
+            return dataclasses.asdict(v)
+        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
 
     return [plain(row) for row in table]
 
@@ -257,13 +256,6 @@ def plot_phase_diagram(groups: Groups, table: list[dict[str, Any]], out_dir: Pat
     for p, x in doses.items():  # each injected p at the mean change its arms measured
         axes[0].annotate(f"p={p:g}", (float(np.mean(x)), 1), xytext=(0, -10), textcoords="offset points",
                          xycoords=("data", "axes fraction"), fontsize="x-small", color="grey", ha="center")
-    handles = {h.get_label(): h for ax in axes for h in ax.get_legend_handles_labels()[0]}
-    axes[0].legend([], [])  # _finish collects the legend from the first axes: give it every handle
-    axes[0].get_legend().remove()
-    for label, handle in handles.items():
-        if label not in axes[0].get_legend_handles_labels()[1]:
-            axes[0].plot([], [], label=label, color=handle.get_color(), linestyle=handle.get_linestyle(),
-                         marker=handle.get_marker())
     return _finish(fig, axes, out_dir / "phase_diagram.png",
                    f"Drift dose-response (bands: accuracy {BAND}; collapse rate Wilson 95%)")
 

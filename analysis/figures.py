@@ -138,7 +138,13 @@ def _log_y(ax, values) -> str:
 
 
 def _finish(fig, axes, path: Path, title: str) -> Path:
-    handles, labels = axes[0].get_legend_handles_labels()
+    """Title, layout and one legend below the figure holding every labelled artist of every panel (each
+    label once, first panel first); save and close."""
+    by_label = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            by_label.setdefault(label, handle)
+    handles, labels = list(by_label.values()), list(by_label)
     fig.suptitle(title)
     fig.tight_layout()
     if handles:
