@@ -25,6 +25,8 @@ INFINITE_OK = ("collapse.ratio_max",)
 """Float fields where +inf is meaningful (a threshold that never fires); NaN is refused everywhere."""
 
 REPLAY_SOURCES = ("off", "old", "rollout")
+NOISE_GROWTH = ("sqrt", "constant")
+NOISE_SCOPES = ("update", "trainer")
 PARALLEL = ("ddp", "fsdp")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -107,6 +109,26 @@ class RoutingConfig:
     """First mini-batch (1-based) of each step whose update forward drifts. 2 (default): only the
     off-policy mini-batches, modelling update-induced volatility (GSPO paper, section 5.3). 1: the
     on-policy mini-batch too, modelling sampler/trainer routing mismatch (as studied for R3)."""
+    logit_noise: float = 0.0
+    """Router-logit noise σ >= 0: the paper's expert volatility as a control (moe_rl.routing.noise). The
+    perturbed forwards take their top-k on logits + σ_j·ε, ε ~ N(0, 1) per (step, row, token position,
+    layer, expert), the same ε in every forward of the step; gates come from the live logits, as under
+    replay. So only tokens whose k-th and (k+1)-th logits nearly tie flip, to the runner-up. σ_j is set
+    by routing.noise_growth; which forwards are perturbed by routing.noise_scope. Replay wins. Unlike
+    routing.drift (expert dropout: a uniformly random swap whatever the margins), this is re-routing."""
+    noise_growth: str = "sqrt"
+    """sqrt (default): mini-batch j (1-based) uses σ·sqrt(j - 1), so the on-policy mini-batch is exact and
+    the change grows with staleness, like a random walk of the router over the updates it has seen.
+    constant: σ in every perturbed forward (needed by noise_scope=trainer)."""
+    noise_scope: str = "update"
+    """update (default): only the update forwards are perturbed (update-induced volatility); R2 and R3
+    replay the old policy's or the sampler's clean routing, so both are immune. trainer: the old-policy
+    forward and the update forwards alike, with one ε, against a clean sampler (sampler/trainer routing
+    mismatch): R2 replays the old forward's perturbed routing, so only R3 is immune."""
+    weight_noise: float = 0.0
+    """Persistent alternative, σ_w >= 0: after each optimizer step every router's weight matrix gets
+    N(0, σ_w²) added element-wise (seeded from (seed, step, mini-batch)), so the perturbation is part of
+    the policy: the sampler, the old-policy forward and eval all see it, and it accumulates."""
 
 
 @dataclass
@@ -301,6 +323,7 @@ class Config:
             raise ValueError(f"routing.drift={self.routing.drift}: must be in [0, 1]")
         if self.routing.drift_from_minibatch < 1:
             raise ValueError(f"routing.drift_from_minibatch={self.routing.drift_from_minibatch}: must be >= 1")
+        self._validate_noise()
         self.sampler.validate()
         t = self.trainer
         for name in ("steps", "prompts_per_step", "mini_batches"):
@@ -361,6 +384,38 @@ class Config:
         self.eval.validate()
         if self.seed < 0:
             raise ValueError(f"seed={self.seed}: must be >= 0")
+
+    def _validate_noise(self) -> None:
+        """The routing-noise fields (routing.logit_noise, noise_growth, noise_scope, weight_noise)."""
+        r = self.routing
+        if r.logit_noise < 0 or r.weight_noise < 0:
+            raise ValueError(
+                f"routing.logit_noise={r.logit_noise}, routing.weight_noise={r.weight_noise}: must be >= 0"
+            )
+        if r.noise_growth not in NOISE_GROWTH:
+            raise ValueError(f"routing.noise_growth={r.noise_growth!r}: expected one of {NOISE_GROWTH}")
+        if r.noise_scope not in NOISE_SCOPES:
+            raise ValueError(f"routing.noise_scope={r.noise_scope!r}: expected one of {NOISE_SCOPES}")
+        if r.logit_noise > 0 and r.drift > 0:
+            raise ValueError(
+                f"routing.logit_noise={r.logit_noise} and routing.drift={r.drift}: choose one perturbation"
+            )
+        if r.logit_noise > 0 and r.noise_scope == "trainer":
+            if r.noise_growth != "constant":
+                raise ValueError(
+                    "routing.noise_scope=trainer perturbs the old-policy forward, which has seen no update, "
+                    "so its noise cannot grow with staleness: set routing.noise_growth=constant"
+                )
+            if self.trainer.reuse_sampler_logp:
+                raise ValueError(
+                    "routing.noise_scope=trainer perturbs the old-policy forward, which "
+                    "trainer.reuse_sampler_logp=true skips: set trainer.reuse_sampler_logp=false"
+                )
+        if r.weight_noise > 0 and self.trainer.parallel == "fsdp":
+            raise ValueError(
+                "routing.weight_noise perturbs whole router weights, which trainer.parallel=fsdp shards: "
+                "use trainer.parallel=ddp"
+            )
 
     def check_machine(self) -> None:
         """Raise ValueError naming the field when this machine cannot run the config (trainer.device=cuda

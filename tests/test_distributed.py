@@ -179,14 +179,17 @@ def runs(tmp_path_factory, warm_overrides):
 
 
 CONTINUOUS = ("train/loss", "train/grad_norm", "ratio/token/mean", "policy/approx_kl", "rollout/entropy/mean")
-DISCRETE = ("clip/token_frac", "routing/expert_change/frac", "routing/expert_change/layer_0")
+DISCRETE = ("clip/token_frac", "routing/expert_change/frac", "routing/expert_change/layer_0",
+            "routing/margin/median", "routing/margin/p10", "routing/margin/frac_below_0.1",
+            "routing/margin/layer_0", "routing/logit_shift/after_one_update", "routing/margin/predicted_change")
 
 
 @pytest.mark.slow
 def test_two_processes_keep_ranks_identical_and_match_one_process(runs):
     """After 4 steps both ranks hold bitwise identical parameters, and the 2-process run samples the same
     completions as a 1-process run with the same global batch and seed; losses, gradient norms, token
-    ratios and parameters agree within 1e-4, step 0's clip and expert-change fractions are equal, and so
+    ratios and parameters agree within 1e-4, step 0's clip and expert-change fractions and router margins
+    (pooled over ranks, so exact order statistics) are equal, and so
     are step 0's per-length ratio statistics (summed over ranks, so exact; an empty bin NaN in both)."""
     root, _, two = runs
     assert two["world_size"] == 2

@@ -9,27 +9,38 @@ from moe_rl.routing.controller import (
     replay_gates,
 )
 from moe_rl.routing.metrics import (
+    centred_shift_sq,
     expert_change_by_layer,
     expert_change_fraction,
     expert_load,
+    predicted_change,
     router_entropy,
+    router_margins,
     token_change_fraction,
 )
+from moe_rl.routing.noise import LogitNoise, hash_normal, logit_noise, noise_scale
 from moe_rl.routing.trace import RoutingTrace, ids_dtype, token_digest
 
 __all__ = [
     "Drift",
+    "LogitNoise",
     "Recorder",
     "RoutingController",
     "RoutingReplayError",
     "RoutingTrace",
     "UnsupportedRouterError",
+    "centred_shift_sq",
     "expert_change_by_layer",
     "expert_change_fraction",
     "expert_load",
+    "hash_normal",
     "ids_dtype",
+    "logit_noise",
+    "noise_scale",
+    "predicted_change",
     "replay_gates",
     "router_entropy",
+    "router_margins",
     "token_change_fraction",
     "token_digest",
 ]

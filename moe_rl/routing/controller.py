@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from moe_rl.errors import RunError
+from moe_rl.routing.noise import LogitNoise
 from moe_rl.routing.trace import RoutingTrace, ids_dtype, token_digest
 
 # Shape legend: B rows, T tokens per row, N = B*T flattened tokens, K top-k, E experts, L layers.
@@ -276,6 +277,7 @@ class RoutingController:
         self._recorder: Recorder | None = None
         self._replayer: _Replayer | None = None
         self._drift: Drift | None = None
+        self._noise: LogitNoise | None = None
         self._gates_checked = [False] * self.num_layers
         self._shape: list[tuple[int, int] | None] = [None] * self.num_layers
         # Ids each layer's latest (non-recompute) forward was routed by under replay, else None.
@@ -333,9 +335,11 @@ class RoutingController:
                 if not self._gates_checked[layer] and ids_NK.shape[0]:  # the router's own choice and gates
                     _check_gates(module, layer, logits_NE, scores_NK, ids_NK)
                     self._gates_checked[layer] = True
-                drifted_NK = None  # stays None unless drift swapped some slot: the router's output is kept
+                drifted_NK = None  # stays None unless drift or noise is on: the router's output is kept
                 if self._drift is not None and self._replayer is None:  # replay wins over drift
                     drifted_NK = self._drift.perturb(layer, ids_NK, B, T, self.num_experts)
+                if self._noise is not None:  # the noisy choice is recorded even under replay, which wins
+                    drifted_NK = self._noise.perturb(layer, logits_NE, ids_NK, B, T)
                 if self._recorder is not None:  # the routing this forward would use, absent replay
                     own_NK = ids_NK if drifted_NK is None else drifted_NK
                     self._recorder.add(layer, own_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1))
@@ -387,6 +391,20 @@ class RoutingController:
             yield self._drift
         finally:
             self._drift = None
+
+    @contextlib.contextmanager
+    def noise(self, noise: LogitNoise) -> Iterator[LogitNoise]:
+        """Take every forward's top-k on `logits + noise.scale * noise.eps_BTLE` inside the block, gates from
+        the live logits (see moe_rl.routing.noise). Replay wins: under an open `replay()` the replayed
+        experts are used, and an open `record()` keeps the noisy choice (the routing absent replay, as
+        for free routing). Drift and noise are exclusive."""
+        if self._noise is not None or self._drift is not None:
+            raise RuntimeError("noise() is already open on this model, or drift() is")
+        self._noise = noise
+        try:
+            yield noise
+        finally:
+            self._noise = None
 
     @contextlib.contextmanager
     def replay(self, trace: RoutingTrace) -> Iterator[None]:

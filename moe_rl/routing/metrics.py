@@ -7,11 +7,16 @@
 | `token_change_fraction(a, b, m)` | fraction of valid tokens whose expert set differs in at least one layer |
 | `expert_load(t, m)` | per layer: tokens per expert, its coefficient of variation std/mean, max/mean, fraction of dead experts |
 | `router_entropy(t, m)` | per layer: mean over valid tokens of -Σ_e p_e log p_e, p = softmax(router logits) |
+| `router_margins(z, k)` | per token and layer: z_(k) - z_(k+1), the k-th minus the (k+1)-th largest router logit |
+| `predicted_change(m, s, k)` | (1/K) mean Φ(-m / (s√2)): expert change that iid N(0, s²) logit noise causes at those margins |
+| `centred_shift_sq(a, b)` | Σ over tokens, layers, experts of (Δz - mean_e Δz)², Δz = a - b: a logit shift that can re-route |
 
 Shape legend: B rows, T tokens, L layers, K top-k, E experts, N valid tokens.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -93,3 +98,37 @@ def router_entropy(trace: RoutingTrace, mask_BT: torch.Tensor) -> torch.Tensor:
         return torch.zeros(trace.shape[2])
     logp_NLE = torch.log_softmax(logits_NLE, dim=-1)
     return (-(logp_NLE.exp() * logp_NLE).sum(-1)).mean(0).cpu()
+
+
+@torch.no_grad()
+def router_margins(logits_BTLE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """`[B, T, L]` float: the k-th minus the (k+1)-th largest router logit of each token and layer, the
+    logit gap a perturbation must close to swap an expert in and one out (`[..., E]` in, any leading
+    shape). Needs E > k."""
+    E = logits_BTLE.shape[-1]
+    if E <= top_k:
+        raise ValueError(f"router margins need more experts ({E}) than top-k ({top_k})")
+    top_BTLk = logits_BTLE.float().topk(top_k + 1, dim=-1).values
+    return top_BTLk[..., top_k - 1] - top_BTLk[..., top_k]
+
+
+def predicted_change(margins: torch.Tensor, scale: float, top_k: int) -> float:
+    """Expert change that iid N(0, scale²) noise on every router logit predicts at these margins, counting
+    only swaps across the k / k+1 boundary: the pair swaps when ε_(k+1) - ε_(k) ~ N(0, 2 scale²) exceeds
+    the margin, and a swap changes 1 of K experts, so (1/K) mean_m Φ(-m / (scale √2)). A lower bound
+    when several experts crowd the boundary. NaN without margins; 0 at scale 0."""
+    if margins.numel() == 0:
+        return math.nan
+    if scale <= 0:
+        return 0.0
+    tail = 0.5 * torch.erfc(margins.double() / (2.0 * scale))  # Φ(-m/(s√2)) = erfc(m / (2s)) / 2
+    return float(tail.mean()) / top_k
+
+
+@torch.no_grad()
+def centred_shift_sq(logits_a: torch.Tensor, logits_b: torch.Tensor) -> float:
+    """Σ (Δz - mean_e Δz)² over every token, layer and expert of `[..., E]` logits, Δz = a - b. A shift
+    common to all experts re-routes nothing, so it is removed; divided by the element count it is the
+    variance s² of an equivalent iid logit noise (`predicted_change`)."""
+    d = logits_a.double() - logits_b.double()
+    return float(((d - d.mean(-1, keepdim=True)) ** 2).sum())

@@ -40,7 +40,12 @@ finite metrics of the last step.
 | `routing/expert_change/first_minibatch` | the same on mini-batch 1 (no update yet: 0 in fp32, a sanity check) |
 | `routing/rollout_vs_old/frac` | sampler routing vs old-policy routing, same measure (under R3 the old policy's free choice given the replayed layers above) |
 | `routing/rollout_vs_current/frac` | sampler routing vs the update forwards' routing (as in `expert_change/frac`), mean over all M mini-batches |
+| (logit and weight noise) | `routing.logit_noise` and `routing.weight_noise` log no key of their own: what they do is measured as expert change, margins and mismatch above (moe_rl.trainer.perturb) |
 | `routing/drift/applied_frac` | measured fraction of (valid position, layer) slots whose routing `routing.drift` swapped, over the mini-batches that drift (0 under replay: replay wins); only when `routing.drift` > 0 |
+| `routing/margin/median`, `routing/margin/p10`, `routing/margin/frac_below_0.1` | the old policy's router margins z_(k) − z_(k+1) (k-th minus (k+1)-th largest router logit, `routing.router_margins`) over its response positions and every layer, pooled over all ranks' tokens (exact order statistics; p10 by linear interpolation); absent when experts ≤ top-k |
+| `routing/margin/layer_{i}` | the median margin of layer i |
+| `routing/logit_shift/after_one_update` | sqrt of the mean over mini-batch 2's response positions, layers and experts of (Δz − mean_e Δz)², Δz the live router logits of its update forward minus the old policy's (a shift common to all experts re-routes nothing); summed over ranks, so exact |
+| `routing/margin/predicted_change` | the expert change after one update that those margins predict for iid N(0, s²) logit noise, s² = logit_shift² + σ_2² (σ_2 the injected `routing.logit_noise` scale of mini-batch 2, with scope update and no replay, else 0): (1/K) mean Φ(−m / (s√2)) over the margins m, counting swaps across the k / k+1 boundary only. Next to `routing/expert_change/after_one_update`, it says whether a model is volatile because its margins are small or its updates large |
 | `routing/load_cv/mean` | per-layer coefficient of variation of tokens per expert (old policy), mean over layers |
 | `routing/entropy/mean` | router entropy (nats) of the old policy, mean over layers |
 | `routing/replay_cache_bytes` | bytes of expert ids held for replay this step (0 when replay is off) |

@@ -43,16 +43,20 @@ from moe_rl.routing import (
     RoutingController,
     RoutingReplayError,
     RoutingTrace,
+    centred_shift_sq,
     expert_change_by_layer,
     expert_change_fraction,
 )
 from moe_rl.tasks import Task
 from moe_rl.trainer.collapse import CollapseDetector
 from moe_rl.trainer.distributed import Dist, minibatch_rows, reduce_metrics
+from moe_rl.trainer.perturb import drifting, noising, perturb_router_weights
 from moe_rl.trainer.step_metrics import (
     change_metrics,
     finite_mean,
+    margin_metrics,
     minibatch_overlap,
+    response_margins,
     rollout_metrics,
     routing_metrics,
 )
@@ -69,9 +73,14 @@ class Batch:
     adv_B: torch.Tensor
     sampler_logp_BR: torch.Tensor
     sampler_trace: RoutingTrace | None
+    rows_B: torch.Tensor | None = None
+    """Each row's index in the step's global rollout batch (what routing.logit_noise is keyed by)."""
 
     @classmethod
-    def from_rollout(cls, roll: Rollout, adv_B: torch.Tensor, perm_B: torch.Tensor) -> Batch:
+    def from_rollout(
+        cls, roll: Rollout, adv_B: torch.Tensor, perm_B: torch.Tensor, row_offset: int = 0
+    ) -> Batch:
+        """The rollout's rows in the order `perm_B`; this rank's rows start at global row `row_offset`."""
         valid_BS = torch.cat([roll.prompt_mask_BP.bool(), roll.response_mask_BR], dim=1)
         trace = roll.routing.rows(perm_B) if roll.routing is not None else None
         return cls(
@@ -84,6 +93,7 @@ class Batch:
             adv_B[perm_B],
             roll.logp_BR[perm_B],
             trace,
+            perm_B + row_offset,
         )
 
 
@@ -185,16 +195,21 @@ def _replaying(ctx: StepContext, trace: RoutingTrace | None):
 
 @torch.no_grad()
 def _old_policy(
-    ctx: StepContext, batch: Batch, slices: list[slice]
+    ctx: StepContext, batch: Batch, slices: list[slice], step: int = 0
 ) -> tuple[list[torch.Tensor], list[RoutingTrace]]:
     """Old-policy log-probs and routing (with logits), one forward per mini-batch. Under R3 the forward
     replays the sampler's routing; the trace it returns is then the routers' free choice given the
-    replayed layers above (what expert change is measured against)."""
+    replayed layers above (what expert change is measured against). Under routing.noise_scope=trainer
+    it is perturbed by the step's logit noise (moe_rl.trainer.perturb)."""
     R = batch.response_mask_BR.shape[1]
     logps, traces = [], []
     for sl in slices:
         replay = _sampler_trace(batch, sl) if ctx.cfg.routing.replay == "rollout" else None
-        with ctx.controller.record(with_logits=True) as rec, _replaying(ctx, replay):
+        with (
+            ctx.controller.record(with_logits=True) as rec,
+            _replaying(ctx, replay),
+            noising(ctx, step, batch, sl, "old"),
+        ):
             logps.append(
                 response_logprobs(
                     ctx.model,
@@ -220,16 +235,6 @@ def _loss_scales(ctx: StepContext, batch: Batch, slices: list[slice]) -> list[fl
     return [ctx.dist.world * n / max(total, 1.0) for n, total in zip(tokens, totals, strict=True)]
 
 
-def _drifting(ctx: StepContext, step: int, minibatch: int):
-    """`controller.drift(p, generator)` for this update forward, or None: drift is on when p > 0, replay is
-    off (replay wins) and the mini-batch (0-based) is at or after routing.drift_from_minibatch."""
-    r = ctx.cfg.routing
-    if r.drift == 0 or r.replay != "off" or minibatch + 1 < r.drift_from_minibatch:
-        return None
-    g = torch.Generator().manual_seed((ctx.cfg.seed * 1_000_003 + step) * 1_009 + minibatch)
-    return ctx.controller.drift(r.drift, g)
-
-
 def _routing_change(
     ctx: StepContext,
     batch: Batch,
@@ -251,6 +256,10 @@ def _routing_change(
         slots = float(valid_bS1.sum()) * ctx.controller.num_layers
         swapped = 0.0 if drift is None else float(drift.applied_BTL[valid_bS1.cpu()].sum())
         change["drift"] = [swapped, slots]
+    if used.router_logits_BTLE is not None:  # the live logits' shift since the old policy, response positions
+        at = _response_positions(batch, sl).to(used.router_logits_BTLE.device)
+        new, old = used.router_logits_BTLE[at], old_trace.router_logits_BTLE[at].to(used.router_logits_BTLE)
+        change["shift"] = [centred_shift_sq(new, old), float(new.numel())]
     return change
 
 
@@ -284,9 +293,10 @@ def _objective(
     )
 
 
-def _optimizer_step(ctx: StepContext, step: int, loss: torch.Tensor) -> float:
+def _optimizer_step(ctx: StepContext, step: int, loss: torch.Tensor, minibatch: int = 0) -> float:
     """Backward, clip and step; returns the gradient norm (nan when the loss was not finite). A non-finite
-    loss or gradient norm skips the update and is noted with the collapse detector."""
+    loss or gradient norm skips the update and is noted with the collapse detector. After a step,
+    routing.weight_noise perturbs the router weights."""
     # Every rank must skip or take the update alike (a backward is a collective): decide on the sum.
     loss_sum = ctx.dist.sum([loss.item()])[0]
     if not math.isfinite(loss_sum):
@@ -297,6 +307,7 @@ def _optimizer_step(ctx: StepContext, step: int, loss: torch.Tensor) -> float:
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     if math.isfinite(grad_norm):
         ctx.optimizer.step()
+        perturb_router_weights(ctx, step, minibatch)
     else:
         ctx.detector.nonfinite(step, grad_norm, "train/grad_norm")
     ctx.optimizer.zero_grad(set_to_none=True)
@@ -331,11 +342,12 @@ def _update(
     ids_bS, attn_bS = batch.input_ids_BS[sl], batch.attention_mask_BS[sl]
     temperature = cfg.sampler.temperature or 1.0
     aux_coef = cfg.model.router_aux_loss_coef
-    drifting = _drifting(ctx, step, minibatch)
+    drift_ctx = drifting(ctx, step, minibatch)
     with (
-        ctx.controller.record() as rec,
+        ctx.controller.record(with_logits=minibatch == 1) as rec,  # mini-batch 2's logit shift
         _replaying(ctx, replay),
-        drifting if drifting is not None else contextlib.nullcontext() as drift,
+        drift_ctx if drift_ctx is not None else contextlib.nullcontext() as drift,
+        noising(ctx, step, batch, sl, "update", minibatch),
     ):
         logp_bR, aux_loss = response_logprobs_and_aux(
             ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0
@@ -354,7 +366,7 @@ def _update(
         metrics["train/aux_loss"] = aux_loss.item()
     loss = loss * loss_scale
     metrics["train/loss"] = loss.item()
-    metrics["train/grad_norm"] = _optimizer_step(ctx, step, loss)
+    metrics["train/grad_norm"] = _optimizer_step(ctx, step, loss, minibatch)
     return metrics, change
 
 
@@ -372,14 +384,15 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     rows_MC = minibatch_rows(t.prompts_per_step * t.group_size, t.mini_batches, ctx.shuffle_gen, unit)
     c = rows_MC.shape[1] // d.world
     perm_B = (rows_MC[:, d.rank * c : (d.rank + 1) * c] - d.rank * len(rewards_B)).reshape(-1)
-    batch = Batch.from_rollout(roll, adv_B.to(roll.logp_BR.device), perm_B.to(roll.logp_BR.device))
+    dev = roll.logp_BR.device
+    batch = Batch.from_rollout(roll, adv_B.to(dev), perm_B.to(dev), d.rank * len(rewards_B))
     slices = [slice(j * c, (j + 1) * c) for j in range(t.mini_batches)]
     t1 = time.perf_counter()
     if t.reuse_sampler_logp:  # the sampler ran these weights at this precision: its results are in hand
         old_logps = [batch.sampler_logp_BR[sl] for sl in slices]
         old_traces = [batch.sampler_trace.rows(sl) for sl in slices]
     else:
-        old_logps, old_traces = _old_policy(ctx, batch, slices)
+        old_logps, old_traces = _old_policy(ctx, batch, slices, step)
     old_trace = RoutingTrace.cat(old_traces)
     t2 = time.perf_counter()
 
@@ -404,7 +417,8 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
             "throughput/sampler_tokens_per_s": int(roll.response_mask_BR.sum()) / (t1 - t0),
         }
     )
-    metrics, per_mb = _reduced_metrics(ctx, roll, rewards_B, batch, slices, per_mb, changes, local)
+    margins = response_margins(old_trace, _response_positions(batch, slice(None)), ctx.controller.top_k)
+    metrics, per_mb = _reduced_metrics(ctx, roll, rewards_B, batch, slices, per_mb, changes, local, margins)
     extremes = {
         f"ratio/{level}/{ext}": fn(m[f"ratio/{level}/{ext}"] for m in per_mb)
         for level in ("token", "seq")
@@ -425,6 +439,7 @@ def _reduced_metrics(
     per_mb: list[dict[str, float]],
     changes: list[dict[str, list[float]]],
     local: dict[str, float],
+    margins: list[list[float]] | None,
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
     """The step's metrics over all ranks (one gather; identical on every rank), and each mini-batch's."""
     mask_BR = roll.response_mask_BR
@@ -441,6 +456,7 @@ def _reduced_metrics(
             "mb_counts": [_counts(batch, sl) for sl in slices],
             "local": local,
             "counts": _counts(batch, slice(None)),
+            "margins": margins,
         }
     )
     metrics = rollout_metrics([row for r in ranks for row in r["rows"]])
@@ -475,6 +491,10 @@ def _reduced_metrics(
     for change in (c for r in ranks for c in r["changes"][1:]):
         sums += torch.tensor(change["length"], dtype=torch.float64)
     metrics.update(length_metrics(sums.view(len(bins), -1), bins))
+    if margins is not None:  # every rank's margins, pooled: exact order statistics
+        shift = [r["changes"][1]["shift"] for r in ranks] if M > 1 else []
+        metrics.update(margin_metrics([m for r in ranks for m in r["margins"]], shift, ctx.cfg.routing,
+                                      ctx.controller.top_k))
     metrics.update(reduce_metrics([r["local"] for r in ranks], [r["counts"] for r in ranks]))
     return metrics, per_mb
 

@@ -8,9 +8,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_rl.routing import RoutingTrace, expert_change_fraction, expert_load, router_entropy
+from moe_rl.routing import (
+    RoutingTrace,
+    expert_change_fraction,
+    expert_load,
+    noise_scale,
+    predicted_change,
+    router_entropy,
+    router_margins,
+)
 
 if TYPE_CHECKING:
+    from moe_rl.config import RoutingConfig
     from moe_rl.trainer.step import Batch
 
 
@@ -84,3 +93,42 @@ def change_metrics(changes: list[torch.Tensor], response: list[float]) -> dict[s
         out["routing/expert_change/after_one_update"] = float(changes[1].mean())
         out.update({f"routing/expert_change/layer_{i}": float(v) for i, v in enumerate(later_L)})
     return out
+
+
+def response_margins(old_trace: RoutingTrace, response_BS1: torch.Tensor, top_k: int) -> list[list[float]] | None:
+    """The old policy's router margins (`router_margins`) at the response positions, `[N][L]`, or None
+    when the model has no (k+1)-th expert or the trace no logits."""
+    logits = old_trace.router_logits_BTLE
+    if logits is None or old_trace.num_experts <= top_k:
+        return None
+    return router_margins(logits[response_BS1.to(logits.device)], top_k).cpu().tolist()
+
+
+def margin_metrics(
+    margins: list[list[float]], shift: list[list[float]], routing: RoutingConfig, top_k: int
+) -> dict[str, float]:
+    """`routing/margin/*` over every rank's margins `[N][L]` (pooled, so the order statistics are exact),
+    `routing/logit_shift/after_one_update` from each rank's [Σ centred shift², elements] on mini-batch 2,
+    and the expert change those predict after one update (metric table in __init__.py)."""
+    m_NL = torch.tensor(margins, dtype=torch.float64).reshape(-1, len(margins[0]) if margins else 1)
+    out: dict[str, float] = {}
+    if m_NL.numel():
+        flat = m_NL.flatten()
+        out["routing/margin/median"] = float(flat.median())
+        out["routing/margin/p10"] = float(torch.quantile(flat, 0.1))
+        out["routing/margin/frac_below_0.1"] = float((flat < 0.1).double().mean())
+        out.update({f"routing/margin/layer_{i}": float(v) for i, v in enumerate(m_NL.median(0).values)})
+    if shift:
+        count = sum(n for _, n in shift)
+        delta = math.sqrt(sum(q for q, _ in shift) / count) if count else math.nan
+        # Under scope trainer the old and the update forward share one ε: only the update re-routes.
+        noisy = routing.noise_scope == "update" and routing.replay == "off"
+        sigma = noise_scale(routing.logit_noise, routing.noise_growth, 1) if noisy else 0.0
+        out["routing/logit_shift/after_one_update"] = delta
+        out["routing/margin/predicted_change"] = (
+            predicted_change(m_NL.flatten(), math.sqrt(sigma**2 + delta**2), top_k)
+            if math.isfinite(delta) and m_NL.numel()
+            else math.nan
+        )
+    return out
+
