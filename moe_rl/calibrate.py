@@ -1,0 +1,307 @@
+"""Calibrate the volatility instruments against natural re-routing on one policy: `moe-rl-calibrate`.
+
+    moe-rl-calibrate task=arithmetic model=tiny --out results/calibration
+    moe-rl-calibrate model=fine model.router_aux_loss_coef=0.01 --lrs 1e-4,3e-4 --out results/cal_fine
+
+It takes the run's warm-started policy (the same Hydra config as `moe-rl-train`, warm start cached), samples
+`--batches` rollout batches as RL would, and splits each batch's rows in two halves:
+- **measure rows** B: the old policy's clean forward gives the reference routing, log-probs and router
+  margins; each injection is then one forward over B, compared with it (no update);
+- **update rows** A: for the natural effect, one real optimizer step of the configured objective on A at
+  each `--lrs` value (state restored after each), then a clean forward over B: the paper's "after one
+  update" on rows the update did not see, exactly as mini-batch 2 of an RL step. Its |Δ log π| is the
+  re-routing's own: the updated policy routed freely against the updated policy replaying the old
+  routing (so the update's direct effect on every weight cancels, and every row compares like with like).
+
+Injections (moe_rl.trainer.perturb): `drift` p (expert dropout), `logit_noise` σ (the top-k of z + σε),
+`logit_noise_staleness` σ (the mean over mini-batches j = 2..M of the change at σ·sqrt(j-1), what
+`routing.noise_growth=sqrt` gives over a step), `weight_noise` σ_w (router weights + N(0, σ_w²)).
+
+Measured for each, over B's response tokens (`calibration.json`, `calibration.md`, `calibration.png`):
+expert change (1 - |A∩B|/K, mean over tokens and layers), mean and p99 of |Δ log π| against the clean
+forward, and for logit noise the change the margins predict (`routing.predicted_change`). Also the
+policy's router statistics: margins (median, p10, fraction below 0.1), load CV and dead experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from tqdm import tqdm
+
+from moe_rl.objectives import group_advantages
+from moe_rl.rollout import response_logprobs
+from moe_rl.routing import (
+    LogitNoise,
+    RoutingTrace,
+    expert_change_fraction,
+    expert_load,
+    logit_noise,
+    predicted_change,
+    router_margins,
+)
+from moe_rl.rollout.forward import position_ids_from_mask
+from moe_rl.trainer.run import _context
+from moe_rl.trainer.step import Batch, StepContext, _old_policy, _response_positions, _rollout, _update
+
+KINDS = ("drift", "logit_noise", "logit_noise_staleness", "weight_noise")
+DEFAULTS = {
+    "drift": [0.02, 0.05, 0.1, 0.2],
+    "logit_noise": [0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8],
+    "weight_noise": [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02],
+}
+
+
+def _forward(ctx: StepContext, batch: Batch, sl: slice, perturb=None) -> tuple[torch.Tensor, RoutingTrace]:
+    """Log-probs and routing of rows `sl` under `perturb` (a context manager factory, or None)."""
+    R = batch.response_mask_BR.shape[1]
+    with torch.no_grad(), ctx.controller.record(with_logits=True) as rec:
+        with perturb() if perturb is not None else contextlib.nullcontext():
+            logp = response_logprobs(ctx.model, batch.input_ids_BS[sl], batch.attention_mask_BS[sl], R,
+                                     ctx.cfg.sampler.temperature or 1.0)
+    return logp, rec.trace
+
+
+class _Measure:
+    """Pooled comparisons with the clean forward of the measure rows, over batches."""
+
+    def __init__(self) -> None:
+        self.change: dict[tuple[str, float], list[float]] = {}
+        self.dlogp: dict[tuple[str, float], list[torch.Tensor]] = {}
+
+    def add(self, key: tuple[str, float], change: float, dlogp: torch.Tensor) -> None:
+        self.change.setdefault(key, []).append(change)
+        self.dlogp.setdefault(key, []).append(dlogp)
+
+    def rows(self) -> list[dict]:
+        out = []
+        for (kind, scale), changes in self.change.items():
+            d = torch.cat(self.dlogp[(kind, scale)]).double()
+            out.append({"kind": kind, "scale": scale, "expert_change": sum(changes) / len(changes),
+                        "dlogp_mean": float(d.mean()), "dlogp_p99": float(torch.quantile(d, 0.99)),
+                        "tokens": int(d.numel())})
+        return out
+
+
+def _weight_noise(ctx: StepContext, sigma: float, seed: int):
+    """A context manager factory adding N(0, σ²) to every router weight, restored on exit."""
+
+    @contextlib.contextmanager
+    def cm():
+        g = torch.Generator().manual_seed(seed)
+        saved = [r.weight.detach().clone() for r in ctx.controller.routers]
+        with torch.no_grad():
+            for r in ctx.controller.routers:
+                r.weight.add_((torch.randn(r.weight.shape, generator=g) * sigma).to(r.weight))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for r, w in zip(ctx.controller.routers, saved, strict=True):
+                    r.weight.copy_(w)
+
+    return cm
+
+
+def _noise(ctx: StepContext, batch: Batch, sl: slice, step: int, scale: float):
+    eps = logit_noise(ctx.cfg.seed, step, batch.rows_B[sl], position_ids_from_mask(batch.attention_mask_BS[sl][:, :-1]),
+                      ctx.controller.num_layers, ctx.controller.num_experts)
+    return lambda: ctx.controller.noise(LogitNoise(eps, scale))
+
+
+def _compare(meas: _Measure, key, ref, got, resp_bS1, mask_bR) -> None:
+    (logp0, trace0), (logp1, trace1) = ref, got
+    meas.add(key, expert_change_fraction(trace1, trace0, resp_bS1), (logp1 - logp0)[mask_bR].abs())
+
+
+def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs: list[float], ref, meas) -> None:
+    """One real update on rows A at each lr, then the clean forward of rows B against the reference."""
+    model_state = copy.deepcopy(ctx.model.state_dict())
+    opt_state = copy.deepcopy(ctx.optimizer.state_dict())
+    sched_state = ctx.scheduler.state_dict()
+    old_logp, old_trace = _old_policy(ctx, batch, [A], step)
+    for lr in lrs:
+        for group in ctx.optimizer.param_groups:
+            group["lr"] = lr
+        _update(ctx, step, batch, A, old_logp[0], old_trace[0])
+        logp_free, trace_free = _forward(ctx, batch, B)
+        logp_replay, _ = _forward(ctx, batch, B, lambda: ctx.controller.replay(ref[1]))
+        # The re-routing's own effect: the updated policy routed freely against the same policy replaying
+        # the old routing (R2), so the update's direct effect on every weight cancels.
+        _compare(meas, ("natural", lr), (logp_replay, ref[1]), (logp_free, trace_free),
+                 _response_positions(batch, B), batch.response_mask_BR[B])
+        ctx.model.load_state_dict(model_state)
+        ctx.optimizer.load_state_dict(opt_state)
+        ctx.scheduler.load_state_dict(sched_state)
+
+
+def calibrate(ctx: StepContext, batches: int, lrs: list[float], scales: dict[str, list[float]]) -> dict:
+    """The calibration of `ctx`'s policy (module docstring); returns what calibration.json holds."""
+    meas, margins, loads = _Measure(), [], []
+    M, K = ctx.cfg.trainer.mini_batches, ctx.controller.top_k
+    todo = batches * (sum(len(v) for v in scales.values()) + len(scales["logit_noise"]) + len(lrs))
+    bar = tqdm(total=todo, desc="calibrate", disable=not ctx.cfg.logger.progress)
+    for step in range(batches):
+        roll, rewards_B = _rollout(ctx, step)
+        adv_B = group_advantages(rewards_B, ctx.cfg.trainer.group_size, normalize_std=ctx.cfg.objective.normalize_std)
+        n = len(rewards_B)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(step))
+        batch = Batch.from_rollout(roll, adv_B, perm)
+        A, B = slice(0, n // 2), slice(n // 2, n)
+        resp, mask = _response_positions(batch, B), batch.response_mask_BR[B]
+        ref = _forward(ctx, batch, B)
+        logits = ref[1].router_logits_BTLE[resp]
+        if ctx.controller.num_experts > K:
+            margins.append(router_margins(logits, K).flatten())
+        loads.append(expert_load(ref[1], batch.valid_BS1[B]))
+        for p in scales["drift"]:
+            g = torch.Generator().manual_seed(step * 1009 + 1)
+            _compare(meas, ("drift", p), ref, _forward(ctx, batch, B, lambda p=p, g=g: ctx.controller.drift(p, g)),
+                     resp, mask)
+            bar.update()
+        for s in scales["logit_noise"]:
+            _compare(meas, ("logit_noise", s), ref, _forward(ctx, batch, B, _noise(ctx, batch, B, step, s)), resp, mask)
+            bar.update()
+            for j in range(1, M):  # mini-batches 2..M, pooled
+                scale = s * math.sqrt(j)
+                _compare(meas, ("logit_noise_staleness", s), ref,
+                         _forward(ctx, batch, B, _noise(ctx, batch, B, step, scale)), resp, mask)
+            bar.update()
+        for s in scales["weight_noise"]:
+            _compare(meas, ("weight_noise", s), ref, _forward(ctx, batch, B, _weight_noise(ctx, s, step)), resp, mask)
+            bar.update()
+        _natural(ctx, batch, A, B, step, lrs, ref, meas)
+        bar.update(len(lrs))
+    bar.close()
+    m = torch.cat(margins).double() if margins else torch.zeros(0)
+    rows = meas.rows()
+    for row in rows:
+        row["predicted_change"] = predicted_change(m, row["scale"], K) if row["kind"] == "logit_noise" else None
+    return {
+        "config": {"family": ctx.cfg.model.family, "experts": ctx.controller.num_experts, "top_k": K, "layers": ctx.controller.num_layers,
+                   "aux": ctx.cfg.model.router_aux_loss_coef, "task": ctx.cfg.task.name, "objective": ctx.cfg.objective.name,
+                   "mini_batches": M, "batches": batches},
+        "router": {
+            "margin_median": float(m.median()) if m.numel() else math.nan,
+            "margin_p10": float(torch.quantile(m, 0.1)) if m.numel() else math.nan,
+            "margin_frac_below_0.1": float((m < 0.1).double().mean()) if m.numel() else math.nan,
+            "load_cv": float(torch.stack([x["cv"] for x in loads]).mean()),
+            "dead_frac": float(torch.stack([x["dead_frac"] for x in loads]).mean()),
+        },
+        "rows": rows,
+    }
+
+
+def matched(result: dict, target: float) -> dict[str, float]:
+    """Per injection kind, the scale whose expert change is nearest `target` on a log-log interpolation."""
+    out = {}
+    for kind in {r["kind"] for r in result["rows"]} - {"natural"}:
+        pts = sorted((r["expert_change"], r["scale"]) for r in result["rows"] if r["kind"] == kind)
+        pts = [(c, s) for c, s in pts if c > 0]
+        for (c0, s0), (c1, s1) in zip(pts, pts[1:], strict=False):
+            if c0 <= target <= c1 and c1 > c0:
+                t = (math.log(target) - math.log(c0)) / (math.log(c1) - math.log(c0))
+                out[kind] = math.exp(math.log(s0) + t * (math.log(s1) - math.log(s0)))
+    return out
+
+
+def write(result: dict, out: Path) -> None:
+    """calibration.json, calibration.md and calibration.png in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibration.json").write_text(json.dumps(result, indent=1, allow_nan=False, default=str))
+    write_report(result, out)
+
+
+def write_report(result: dict, out: Path) -> None:
+    """calibration.md (tables) and calibration.png (change against scale; |Δ log π| at matched change)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, r = result["rows"], result["router"]
+    natural = [x for x in rows if x["kind"] == "natural"]
+    lines = [f"# Calibration: {result['config']}", "",
+             f"Router margins z_(k) - z_(k+1): median {r['margin_median']:.3f}, p10 {r['margin_p10']:.3f}, "
+             f"{100 * r['margin_frac_below_0.1']:.1f}% below 0.1; load CV {r['load_cv']:.2f}, dead experts "
+             f"{100 * r['dead_frac']:.1f}%.", "",
+             "| injection | scale | expert change | mean \\|Δlogp\\| | p99 \\|Δlogp\\| | predicted by margins |",
+             "|---|---|---|---|---|---|"]
+    for x in sorted(rows, key=lambda x: (x["kind"], x["scale"])):
+        pred = "" if x["predicted_change"] is None else f"{100 * x['predicted_change']:.2f}%"
+        name = "natural (one update, lr)" if x["kind"] == "natural" else x["kind"]
+        lines.append(f"| {name} | {x['scale']:g} | {100 * x['expert_change']:.2f}% | {x['dlogp_mean']:.4f} | "
+                     f"{x['dlogp_p99']:.3f} | {pred} |")
+    lines += ["", "Scale matching an expert change (log-log interpolation between measured scales):", "",
+              "| target | " + " | ".join(k for k in KINDS) + " |", "|---|" + "---|" * len(KINDS)]
+    targets = [(f"natural, lr {x['scale']:g} ({100 * x['expert_change']:.2f}%)", x["expert_change"]) for x in natural]
+    for name, target in [*targets, ("the paper's ~10%", 0.10)]:
+        m = matched(result, target)
+        lines.append(f"| {name} | " + " | ".join(f"{m[k]:.3g}" if k in m else "out of range" for k in KINDS) + " |")
+    (out / "calibration.md").write_text("\n".join(lines) + "\n")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for kind in KINDS:
+        pts = sorted((x["scale"], x["expert_change"], x["dlogp_mean"], x["dlogp_p99"]) for x in rows if x["kind"] == kind)
+        if not pts:
+            continue
+        sc, ch, mean, p99 = zip(*pts, strict=True)
+        a.plot(sc, ch, "o-", label=kind)
+        line = b.plot(ch, mean, "o-", label=f"{kind}: mean")[0]
+        b.plot(ch, p99, "s--", color=line.get_color(), alpha=0.6, label=f"{kind}: p99")
+    for x in natural:
+        b.plot([x["expert_change"]] * 2, [x["dlogp_mean"], x["dlogp_p99"]], "k*", ms=12)
+    b.plot([], [], "k*", ms=12, label="natural (one update)")
+    a.set(xscale="log", yscale="log", xlabel="scale (p, σ or σ_w)", ylabel="expert change",
+          title="Expert change against injected scale")
+    b.set(xscale="log", yscale="log", xlabel="expert change", ylabel="|Δ log π| (mean, p99)",
+          title="Log-prob damage at matched expert change")
+    b.axvline(0.10, color="grey", ls=":", lw=1)
+    for ax in (a, b):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(out / "calibration.png", dpi=110)
+    plt.close(fig)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from moe_rl.train import CONF_DIR, to_config
+
+    parser = argparse.ArgumentParser(prog="moe-rl-calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for moe-rl-train")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batches", type=int, default=2, help="rollout batches to pool (default 2)")
+    parser.add_argument("--lrs", type=_floats, default=None, help="lrs of the natural update (default trainer.lr)")
+    for kind, default in DEFAULTS.items():
+        parser.add_argument(f"--{kind.replace('_', '-')}", type=_floats, default=default, dest=kind)
+    args = parser.parse_args(argv)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        try:
+            cfg = to_config(compose(config_name="config", overrides=args.overrides))
+        except ValueError as err:
+            sys.exit(f"moe-rl-calibrate: {err}")
+    if cfg.routing.drift or cfg.routing.logit_noise or cfg.routing.weight_noise or cfg.routing.replay != "off":
+        sys.exit("moe-rl-calibrate: calibrate a clean policy: leave routing.drift, logit_noise, weight_noise at 0 "
+                 "and routing.replay=off (each injection is applied by the calibration itself)")
+    if args.batches < 1:
+        sys.exit(f"moe-rl-calibrate: --batches={args.batches}: must be >= 1")
+    ctx, _ = _context(cfg)
+    result = calibrate(ctx, args.batches, args.lrs or [cfg.trainer.lr], {k: getattr(args, k) for k in DEFAULTS})
+    write(result, args.out)
+    print(f"calibration of {result['config']} written to {args.out}/calibration.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""moe-rl-calibrate: injections against natural re-routing on one policy."""
+
+import json
+import math
+
+import pytest
+
+from moe_rl.calibrate import main, matched
+
+TINY = ["warmstart.enabled=false", "trainer.prompts_per_step=4", "trainer.group_size=4", "sampler.max_new_tokens=6",
+        "model.num_layers=2", "logger.progress=false", "objective=grpo"]
+
+
+def test_matched_interpolates_log_log_between_measured_scales():
+    """The scale matching a target change is the log-log interpolation between the bracketing scales;
+    a target outside the measured range has none."""
+    rows = [{"kind": "logit_noise", "scale": s, "expert_change": c} for s, c in [(0.1, 0.01), (0.4, 0.04), (1.6, 0.08)]]
+    got = matched({"rows": rows}, 0.02)
+    assert got["logit_noise"] == pytest.approx(math.exp((math.log(0.1) + math.log(0.4)) / 2))
+    assert matched({"rows": rows}, 0.2) == {} and matched({"rows": rows}, 0.005) == {}
+
+
+def test_calibration_runs_end_to_end_and_noise_grows_with_sigma(tmp_path):
+    """A tiny calibration writes json, markdown and a figure; logit noise's change grows with σ and with
+    staleness, drift and weight noise move routing, and every row pools the same measured tokens."""
+    main([*TINY, "--batches", "1", "--lrs", "1e-2", "--drift", "0.1", "--logit-noise", "0.05,0.5",
+          "--weight-noise", "0.01", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "calibration.json").read_text())
+    rows = {(r["kind"], r["scale"]): r for r in result["rows"]}
+    assert set(rows) == {("drift", 0.1), ("logit_noise", 0.05), ("logit_noise", 0.5), ("logit_noise_staleness", 0.05),
+                         ("logit_noise_staleness", 0.5), ("weight_noise", 0.01), ("natural", 0.01)}
+    assert 0 < rows["logit_noise", 0.05]["expert_change"] < rows["logit_noise", 0.5]["expert_change"]
+    assert rows["logit_noise_staleness", 0.5]["expert_change"] > rows["logit_noise", 0.5]["expert_change"]
+    assert rows["drift", 0.1]["expert_change"] > 0 and rows["weight_noise", 0.01]["expert_change"] > 0
+    assert 0 < rows["logit_noise", 0.05]["predicted_change"] <= 1
+    assert len({r["tokens"] for r in result["rows"] if r["kind"] != "logit_noise_staleness"}) == 1
+    assert 0 <= result["router"]["margin_p10"] <= result["router"]["margin_median"]
+    assert "| logit_noise | 0.5 |" in (tmp_path / "calibration.md").read_text()
+    assert (tmp_path / "calibration.png").stat().st_size > 10_000
+
+
+def test_calibration_refuses_a_perturbed_config(tmp_path):
+    """Calibrating a config that already injects a perturbation stops with a message naming it."""
+    with pytest.raises(SystemExit, match="routing.drift"):
+        main([*TINY, "routing.drift=0.1", "--out", str(tmp_path)])
