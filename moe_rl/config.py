@@ -98,10 +98,12 @@ class RoutingConfig:
     """off: routers choose freely; old: the old-policy forward's routing (Routing Replay, R2);
     rollout: the sampler's routing in the old-policy and update forwards (rollout routing replay, R3)."""
     drift: float = 0.0
-    """Injected routing drift p in [0, 1]: emulated expert volatility in the policy's update forwards.
-    In a fraction p of (token, MoE layer) slots one of the router's top-k experts is swapped for one it
-    did not choose (moe_rl.routing.Drift); the swapped-in expert's gate comes from the live router, so
-    gradients flow as under natural re-routing. Expert change grows by about p / top_k. The sampler and
+    """Injected routing drift p in [0, 1]: *expert dropout* in the policy's update forwards, not re-routing.
+    In a fraction p of (token, MoE layer) slots one of the router's top-k experts (uniformly, so half the
+    time the top-1 at top-2) is swapped for a uniformly random one it did not choose (moe_rl.routing.Drift),
+    whatever the router's margins; the swapped-in expert's gate comes from the live router. At matched
+    expert change it moves log-probs several times more than natural re-routing or routing.logit_noise
+    (moe-rl-calibrate), and it cannot tell R2 from R3 (both switch it off). Expert change grows by about p / top_k. The sampler and
     the old-policy forward never drift, and replay wins: under routing.replay=old or rollout the replayed
     experts are used and the drift has no effect. Draws come from their own generator, seeded from
     (seed, step, mini-batch), so changing p never changes the rollouts."""

@@ -12,7 +12,10 @@ classes are not replaced; with no context open, the hooks return at once and cha
   gather, optional renormalisation), so router gradients still flow (R3, arXiv 2510.11370).
   A trace that does not fit the forward raises `RoutingReplayError`; replay never falls back.
 
-Both can be open at once: then `record` captures the experts the router *would* have chosen
+`with ctl.noise(LogitNoise(eps, scale)):` takes every forward's top-k on the perturbed logits `z + scale·ε`
+(re-routing of near ties, moe_rl.routing.noise); `with ctl.drift(p, g):` swaps random experts (dropout).
+
+Both record and replay can be open at once: then `record` captures the experts the router *would* have chosen
 (its free top-k given the replayed upstream layers), which is how expert change is measured
 during replayed training forwards.
 
@@ -145,7 +148,9 @@ class Recorder:
 
 
 class Drift:
-    """Routing drift at rate p: emulated expert volatility (`RoutingController.drift`).
+    """Routing drift at rate p: expert dropout (`RoutingController.drift`), not re-routing: the swap ignores
+    the router's margins, so a decisive token loses an expert it was sure of. For the paper's re-routing
+    (near ties flipping to the runner-up) use `RoutingController.noise` (moe_rl.routing.noise).
 
     In each (token, MoE layer) slot, with probability p, one of the router's own top-k experts (chosen
     uniformly) is swapped for an expert it did not choose (uniformly among the E - K others). The
