@@ -3,8 +3,10 @@
     moe-rl-calibrate task=arithmetic model=tiny --out results/calibration
     moe-rl-calibrate model=fine model.router_aux_loss_coef=0.01 --lrs 1e-4,3e-4 --out results/cal_fine
 
-It takes the run's warm-started policy (the same Hydra config as `moe-rl-train`, warm start cached), samples
-`--batches` rollout batches as RL would, and splits each batch's rows in two halves:
+It takes the run's warm-started policy (the same Hydra config as `moe-rl-train`, warm start cached), runs
+`--rl-steps` real RL steps (5) so that AdamW has state (its first step from fresh state moves every weight
+by about lr: step 0's natural change is several times a later step's), then samples `--batches` rollout
+batches as RL would, and splits each batch's rows in two halves:
 - **measure rows** B: the old policy's clean forward gives the reference routing, log-probs and router
   margins; each injection is then one forward over B, compared with it (no update);
 - **update rows** A: for the natural effect, one real optimizer step of the configured objective on A at
@@ -50,13 +52,13 @@ from moe_rl.routing import (
 )
 from moe_rl.rollout.forward import position_ids_from_mask
 from moe_rl.trainer.run import _context
-from moe_rl.trainer.step import Batch, StepContext, _old_policy, _response_positions, _rollout, _update
+from moe_rl.trainer.step import Batch, StepContext, _old_policy, _response_positions, _rollout, _update, rl_step
 
 KINDS = ("drift", "logit_noise", "logit_noise_staleness", "weight_noise")
 DEFAULTS = {
-    "drift": [0.02, 0.05, 0.1, 0.2],
-    "logit_noise": [0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8],
-    "weight_noise": [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02],
+    "drift": [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4],
+    "logit_noise": [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6],
+    "weight_noise": [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05],
 }
 
 
@@ -143,13 +145,20 @@ def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs:
         ctx.scheduler.load_state_dict(sched_state)
 
 
-def calibrate(ctx: StepContext, batches: int, lrs: list[float], scales: dict[str, list[float]]) -> dict:
-    """The calibration of `ctx`'s policy (module docstring); returns what calibration.json holds."""
+def calibrate(
+    ctx: StepContext, batches: int, lrs: list[float], scales: dict[str, list[float]], rl_steps: int = 0
+) -> dict:
+    """The calibration of `ctx`'s policy (module docstring) after `rl_steps` real RL steps (so AdamW has
+    state: its first step from fresh state moves every weight by about lr, far more than a later one);
+    returns what calibration.json holds."""
     meas, margins, loads = _Measure(), [], []
     M, K = ctx.cfg.trainer.mini_batches, ctx.controller.top_k
-    todo = batches * (sum(len(v) for v in scales.values()) + len(scales["logit_noise"]) + len(lrs))
+    todo = rl_steps + batches * (sum(len(v) for v in scales.values()) + len(scales["logit_noise"]) + len(lrs))
     bar = tqdm(total=todo, desc="calibrate", disable=not ctx.cfg.logger.progress)
-    for step in range(batches):
+    for step in range(rl_steps):
+        rl_step(ctx, step)
+        bar.update()
+    for step in range(rl_steps, rl_steps + batches):
         roll, rewards_B = _rollout(ctx, step)
         adv_B = group_advantages(rewards_B, ctx.cfg.trainer.group_size, normalize_std=ctx.cfg.objective.normalize_std)
         n = len(rewards_B)
@@ -188,7 +197,7 @@ def calibrate(ctx: StepContext, batches: int, lrs: list[float], scales: dict[str
     return {
         "config": {"family": ctx.cfg.model.family, "experts": ctx.controller.num_experts, "top_k": K, "layers": ctx.controller.num_layers,
                    "aux": ctx.cfg.model.router_aux_loss_coef, "task": ctx.cfg.task.name, "objective": ctx.cfg.objective.name,
-                   "mini_batches": M, "batches": batches},
+                   "mini_batches": M, "batches": batches, "rl_steps": rl_steps, "lr": ctx.cfg.trainer.lr},
         "router": {
             "margin_median": float(m.median()) if m.numel() else math.nan,
             "margin_p10": float(torch.quantile(m, 0.1)) if m.numel() else math.nan,
@@ -284,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", type=int, default=2, help="rollout batches to pool (default 2)")
     parser.add_argument("--lrs", type=_floats, default=None, help="lrs of the natural update (default trainer.lr)")
+    parser.add_argument("--rl-steps", type=int, default=5,
+                        help="real RL steps at trainer.lr before calibrating, so the optimizer has state (default 5)")
     for kind, default in DEFAULTS.items():
         parser.add_argument(f"--{kind.replace('_', '-')}", type=_floats, default=default, dest=kind)
     args = parser.parse_args(argv)
@@ -295,10 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.routing.drift or cfg.routing.logit_noise or cfg.routing.weight_noise or cfg.routing.replay != "off":
         sys.exit("moe-rl-calibrate: calibrate a clean policy: leave routing.drift, logit_noise, weight_noise at 0 "
                  "and routing.replay=off (each injection is applied by the calibration itself)")
-    if args.batches < 1:
-        sys.exit(f"moe-rl-calibrate: --batches={args.batches}: must be >= 1")
+    if args.batches < 1 or args.rl_steps < 0:
+        sys.exit(f"moe-rl-calibrate: --batches={args.batches} must be >= 1, --rl-steps={args.rl_steps} >= 0")
     ctx, _ = _context(cfg)
-    result = calibrate(ctx, args.batches, args.lrs or [cfg.trainer.lr], {k: getattr(args, k) for k in DEFAULTS})
+    scales = {k: getattr(args, k) for k in DEFAULTS}
+    result = calibrate(ctx, args.batches, args.lrs or [cfg.trainer.lr], scales, args.rl_steps)
     write(result, args.out)
     print(f"calibration of {result['config']} written to {args.out}/calibration.md")
 

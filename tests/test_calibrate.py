@@ -23,7 +23,7 @@ def test_matched_interpolates_log_log_between_measured_scales():
 def test_calibration_runs_end_to_end_and_noise_grows_with_sigma(tmp_path):
     """A tiny calibration writes json, markdown and a figure; logit noise's change grows with σ and with
     staleness, drift and weight noise move routing, and every row pools the same measured tokens."""
-    main([*TINY, "--batches", "1", "--lrs", "1e-2", "--drift", "0.1", "--logit-noise", "0.05,0.5",
+    main([*TINY, "--batches", "1", "--rl-steps", "1", "--lrs", "1e-2", "--drift", "0.1", "--logit-noise", "0.05,0.5",
           "--weight-noise", "0.01", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "calibration.json").read_text())
     rows = {(r["kind"], r["scale"]): r for r in result["rows"]}
@@ -35,6 +35,7 @@ def test_calibration_runs_end_to_end_and_noise_grows_with_sigma(tmp_path):
     assert 0 < rows["logit_noise", 0.05]["predicted_change"] <= 1
     assert len({r["tokens"] for r in result["rows"] if r["kind"] != "logit_noise_staleness"}) == 1
     assert 0 <= result["router"]["margin_p10"] <= result["router"]["margin_median"]
+    assert result["config"]["rl_steps"] == 1
     assert "| logit_noise | 0.5 |" in (tmp_path / "calibration.md").read_text()
     assert (tmp_path / "calibration.png").stat().st_size > 10_000
 
