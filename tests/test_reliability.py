@@ -255,11 +255,49 @@ def test_ratio_blowup_watches_the_ratio_the_objective_uses(objective, fires_on):
     for level in ("token", "seq"):
         other = "seq" if level == "token" else "token"
         det = CollapseDetector(CollapseConfig(), ratio=SPECS[objective].ratio)
-        metrics = {**base, f"ratio/{level}/max": 1e4, f"ratio/{level}/min": 0.5,
-                   f"ratio/{other}/max": 1.2, f"ratio/{other}/min": 0.9}
+        metrics = {**base, **_extremes(level, 1e4, 0.5), **_extremes(other, 1.2, 0.9)}
         kinds = [e.kind for e in det.observe(0, metrics)]
         assert kinds == (["ratio_blowup"] if level == fires_on else []), (objective, level)
     assert "ratio" not in CollapseDetector(CollapseConfig(), ratio="seq").state_dict()
+
+
+def _extremes(level: str, hi: float, lo: float, pos=(None, None), neg=(None, None)) -> dict[str, float]:
+    """`ratio/<level>/{max,min}` and the per-sign extremes (pos/neg: (max, min); None = the overall one)."""
+    out = {f"ratio/{level}/max": hi, f"ratio/{level}/min": lo}
+    for sign, (mx, mn) in (("pos", pos), ("neg", neg)):
+        out[f"ratio/{level}/{sign}_adv/max"] = hi if mx is None else mx
+        out[f"ratio/{level}/{sign}_adv/min"] = lo if mn is None else mn
+    return out
+
+
+@pytest.mark.parametrize(
+    "extremes, detail",
+    [
+        (_extremes("token", 5e3, 0.5, pos=(1.1, 0.5), neg=(5e3, 0.6)), {"high": 5e3, "high/neg_adv": 5e3}),
+        (_extremes("token", 5e3, 0.5, pos=(5e3, 0.5), neg=(2.0, 0.6)), {"high": 5e3, "high/pos_adv": 5e3}),
+        (_extremes("token", 2.0, 1e-5, pos=(2.0, 1e-5), neg=(1.5, 0.1)), {"low": 1e-5, "low/pos_adv": 1e-5}),
+        (_extremes("token", 2e3, 1e-6, pos=(1.5, 1e-6), neg=(2e3, 1e-4)),
+         {"high": 2e3, "high/neg_adv": 2e3, "low": 1e-6, "low/pos_adv": 1e-6, "low/neg_adv": 1e-4}),
+        # only zero-advantage tokens crossed; no sign of one side present at all (NaN)
+        (_extremes("token", 5e3, 0.5, pos=(2.0, 0.5), neg=(float("nan"), float("nan"))), {"high": 5e3}),
+    ],
+)
+def test_ratio_blowup_says_which_side_and_advantage_sign_crossed(extremes, detail):
+    """A ratio_blowup event's detail names each side beyond the thresholds and each side-and-sign cell that
+    crossed with its extreme; value is the high extreme when it crossed; the per-cell counts follow."""
+    from moe_rl.config import CollapseConfig
+    from moe_rl.trainer.collapse import blowup_counts, counts_by_kind
+
+    det = CollapseDetector(CollapseConfig(), ratio="token")
+    metrics = {"rollout/reward/mean": 0.5, "rollout/entropy/mean": 1.0, **extremes, **_extremes("seq", 1.0, 1.0)}
+    (event,) = det.observe(0, metrics)
+    assert (event.kind, event.detail) == ("ratio_blowup", detail)
+    assert event.value == detail.get("high", detail.get("low"))
+    assert counts_by_kind(det.events)["collapse/kind/ratio_blowup"] == 1.0
+    assert blowup_counts(det.events) == {
+        f"collapse/ratio_blowup/{cell}": float(cell.replace("_", "/", 1) in detail)
+        for cell in ("high_neg_adv", "low_pos_adv", "high_pos_adv", "low_neg_adv")
+    }
 
 
 def _fake_run(folder: Path, label: str, seed: int, rewards: list[float], *, summary: bool = True) -> None:

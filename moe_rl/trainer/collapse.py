@@ -5,7 +5,26 @@
 | `nonfinite` | in some mini-batches of the step, the loss or gradient norm was NaN/inf (those updates are skipped); one event per step, its `detail` maps each non-finite quantity (`train/loss`, `train/grad_norm`) to the number of mini-batches where it was, `value` is the first non-finite value |
 | `reward_collapse` | after `warmup_steps`, the `reward_window`-step moving average of `rollout/reward/mean` falls below `reward_frac` x its best value so far (and the best is > 0) |
 | `entropy_collapse` | after `warmup_steps`, `rollout/entropy/mean` < `entropy_min` |
-| `ratio_blowup` | `ratio/<r>/max` > `ratio_max` or `ratio/<r>/min` < 1 / `ratio_max` in any mini-batch, where r is the ratio the objective weights its gradient by (`SPECS[name].ratio`: `token` for grpo and cispo, `seq` for gspo, gspo_token and gmpo); a token extreme that a sequence objective averages away is not a blow-up of that objective |
+| `ratio_blowup` | `ratio/<r>/max` > `ratio_max` or `ratio/<r>/min` < 1 / `ratio_max` in any mini-batch, where r is the ratio the objective weights its gradient by (`SPECS[name].ratio`: `token` for grpo and cispo, `seq` for gspo, gspo_token and gmpo); a token extreme that a sequence objective averages away is not a blow-up of that objective. One event per step; `value` is the high extreme if it crossed, else the low one; `detail` says which side crossed and with which advantage sign (below) |
+
+A `ratio_blowup` event's `detail` maps `high` (the step's max ratio, if above `ratio_max`) and `low` (its
+min, if below 1 / `ratio_max`) to the extreme, and each side-and-sign cell that crossed too,
+`high/pos_adv`, `high/neg_adv`, `low/pos_adv`, `low/neg_adv`, to the extreme over the entries with
+Â > 0 or Â < 0 (`ratio/<r>/{pos,neg}_adv/{max,min}`). A side without a cell crossed only on Â = 0
+entries, which carry no gradient. Which cells carry gradient, with ρ the clipped ratio and Â the
+advantage (a PPO clip −min(ρÂ, clip(ρ)Â) zeroes the gradient where the clip is active in the min):
+
+| cell | grpo, gspo, gspo_token, gmpo (PPO-style clip) | cispo |
+|---|---|---|
+| `high/neg_adv` | **unclipped, weight ρ·\|Â\| > ratio_max·\|Â\|: the harmful case**, pushing down a token the policy now makes far likelier, with a gradient as large as the ratio (dual-clip, `objective.clip_ratio_c`, zeroes it beyond c) | weight truncated at 1 + clip_high |
+| `low/pos_adv` | unclipped, but weight ρ·\|Â\| < \|Â\| / ratio_max: a negligible gradient; the harm is the lost signal of a good token the policy has all but dropped, not a large step | weight ρ, or 1 − clip_low if that is larger |
+| `high/pos_adv` | clipped: zero gradient | weight truncated at 1 + clip_high |
+| `low/neg_adv` | clipped: zero gradient | as `low/pos_adv` |
+
+(For gmpo the clip acts per token in log space and ρ_i is the geometric mean of the clipped token ratios:
+a sequence with s_i > ratio_max and Â_i < 0 keeps the gradient of its tokens above the clip, so
+`high/neg_adv` is harmful there too.) `collapse/ratio_blowup/<side>_<sign>_adv` counts the events so far
+in which each cell crossed; `collapse/ratio_blowup/high_neg_adv` is the one that can move the policy far.
 
 Reward and entropy collapse fire once when entered and again only after recovery, so a long
 collapse is one event, not one per step. `collapse/kind/<kind>` counts each kind's events so far.
@@ -21,9 +40,22 @@ from moe_rl.config import CollapseConfig
 KINDS = ("nonfinite", "reward_collapse", "entropy_collapse", "ratio_blowup")
 
 
+BLOWUP_CELLS = ("high/neg_adv", "low/pos_adv", "high/pos_adv", "low/neg_adv")
+"""The side-and-sign cells of a `ratio_blowup` event's detail (see the table above)."""
+
+
 def counts_by_kind(events: list[CollapseEvent]) -> dict[str, float]:
     """`collapse/kind/<kind>`: how many events of each kind so far (0 for a kind that has not fired)."""
     return {f"collapse/kind/{kind}": float(sum(e.kind == kind for e in events)) for kind in KINDS}
+
+
+def blowup_counts(events: list[CollapseEvent]) -> dict[str, float]:
+    """`collapse/ratio_blowup/<side>_<sign>_adv`: how many `ratio_blowup` events so far had that cell cross."""
+    blowups = [e for e in events if e.kind == "ratio_blowup"]
+    return {
+        f"collapse/ratio_blowup/{cell.replace('/', '_')}": float(sum(cell in (e.detail or {}) for e in blowups))
+        for cell in BLOWUP_CELLS
+    }
 
 
 @dataclass
@@ -34,8 +66,9 @@ class CollapseEvent:
     kind: str
     value: float
     threshold: float
-    detail: dict[str, int] | None = None
-    """nonfinite only: each non-finite quantity and in how many of the step's mini-batches."""
+    detail: dict[str, float] | None = None
+    """nonfinite: each non-finite quantity and in how many of the step's mini-batches; ratio_blowup: the
+    sides and side-and-sign cells that crossed, with their extremes (module docstring); else None."""
 
 
 @dataclass
@@ -68,11 +101,10 @@ class CollapseDetector:
         if self.nonfinite_counts:
             detail, self.nonfinite_counts = dict(self.nonfinite_counts), {}
             new.append(CollapseEvent(step, "nonfinite", self.nonfinite_first, math.inf, detail))
-        ratio_max, ratio_min = metrics[f"ratio/{self.ratio}/max"], metrics[f"ratio/{self.ratio}/min"]
-        if ratio_max > c.ratio_max:
-            new.append(CollapseEvent(step, "ratio_blowup", ratio_max, c.ratio_max))
-        elif ratio_min < 1 / c.ratio_max:
-            new.append(CollapseEvent(step, "ratio_blowup", ratio_min, 1 / c.ratio_max))
+        blowup = self._blowup(metrics)
+        if blowup:
+            value, threshold = (blowup["high"], c.ratio_max) if "high" in blowup else (blowup["low"], 1 / c.ratio_max)
+            new.append(CollapseEvent(step, "ratio_blowup", value, threshold, blowup))
         self.rewards = (self.rewards + [metrics["rollout/reward/mean"]])[-c.reward_window :]
         avg = sum(self.rewards) / len(self.rewards)
         self.best_avg = max(self.best_avg, avg)
@@ -87,6 +119,22 @@ class CollapseDetector:
                 new.append(CollapseEvent(step, "entropy_collapse", entropy, c.entropy_min))
             self.in_entropy_collapse = low
         return [self._add(e) for e in new]
+
+    def _blowup(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The `ratio_blowup` detail of one step's extremes: each side and side-and-sign cell beyond the
+        thresholds, with its extreme ({} when nothing crossed; NaN, a sign without entries, never does)."""
+        r, hi, lo = f"ratio/{self.ratio}", self.cfg.ratio_max, 1 / self.cfg.ratio_max
+        crossed = {"high": metrics[f"{r}/max"] > hi, "low": metrics[f"{r}/min"] < lo}
+        out = {}
+        for side, ext in (("high", "max"), ("low", "min")):
+            if not crossed[side]:
+                continue
+            out[side] = metrics[f"{r}/{ext}"]
+            for sign in ("pos", "neg"):
+                x = metrics[f"{r}/{sign}_adv/{ext}"]
+                if (x > hi) if side == "high" else (x < lo):
+                    out[f"{side}/{sign}_adv"] = x
+        return out
 
     def _add(self, event: CollapseEvent) -> CollapseEvent:
         self.events.append(event)
