@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from moe_rl.config import CollapseConfig
 
 KINDS = ("nonfinite", "reward_collapse", "entropy_collapse", "ratio_blowup")
@@ -152,3 +154,46 @@ class CollapseDetector:
         for key, value in state.items():
             setattr(self, key, value)
         self.events = [CollapseEvent(**e) for e in state["events"]]
+
+
+def reward_collapse_false_positive_rate(
+    cfg: CollapseConfig,
+    p: float,
+    steps: int,
+    prompts: int = 8,
+    group_size: int = 8,
+    icc: float = 0.0,
+    seeds: int = 2000,
+    seed: int = 0,
+) -> float:
+    """Fraction of `seeds` simulated runs on which `reward_collapse` fires at least once, for a policy whose
+    true reward never moves, fed to a `CollapseDetector` with `cfg` for `steps` steps (ratios 1, entropy 1,
+    so nothing else fires). Every firing is a false positive.
+
+    Each step's `rollout/reward/mean` is the mean of prompts x group_size Bernoulli rewards. icc = 0: all
+    independent with probability p. icc > 0: prompts differ in difficulty, each prompt's success
+    probability drawn fresh every step from Beta(p (1/icc − 1), (1 − p)(1/icc − 1)) (mean p), so its group's
+    rewards share it and icc is their intra-group correlation; icc = 1 makes every group all-0 or all-1."""
+    if not (0 < p < 1 and 0 <= icc <= 1):
+        raise ValueError(f"need 0 < p < 1 and 0 <= icc <= 1, got {p=}, {icc=}")
+    g = torch.Generator().manual_seed(seed)
+    shape = (seeds, steps, prompts, 1)
+    if icc == 0:
+        p_SNP1 = torch.full(shape, p, dtype=torch.float64)
+    elif icc == 1:
+        p_SNP1 = (torch.rand(shape, generator=g, dtype=torch.float64) < p).double()
+    else:
+        kappa = 1 / icc - 1
+        torch.manual_seed(seed)  # torch.distributions draws from the global generator
+        p_SNP1 = torch.distributions.Beta(p * kappa, (1 - p) * kappa).sample(shape).double()
+    hits = torch.rand(seeds, steps, prompts, group_size, generator=g, dtype=torch.float64) < p_SNP1
+    fired = 0
+    for rewards in hits.double().mean((-1, -2)).tolist():
+        det = CollapseDetector(cfg)
+        for step, reward in enumerate(rewards):
+            metrics = {"rollout/reward/mean": reward, "rollout/entropy/mean": 1.0,
+                       "ratio/token/max": 1.0, "ratio/token/min": 1.0}
+            if any(e.kind == "reward_collapse" for e in det.observe(step, metrics)):
+                fired += 1
+                break
+    return fired / seeds
