@@ -11,8 +11,8 @@ import contextlib
 import json
 import math
 import os
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import time

@@ -173,20 +173,20 @@ def ref_weight_sums(d, s, adv, mask, name, clip_low, clip_high, band):
         toks, n = valid(mask, i), len(d[i])
         a_t = [adv_at(adv, i, t).item() for t in toks]
         if name in ("grpo", "cispo"):  # per token; cispo keeps every token with its truncated weight
-            for x, a in zip(d[i], a_t):
+            for x, a in zip(d[i], a_t, strict=True):
                 r = math.exp(x)
                 g = min(max(r, 1 - clip_low), 1 + clip_high) if name == "cispo" else r
                 if name == "cispo" or (not is_clipped(r, a, clip_low, clip_high) and abs(x) <= 20):
                     total, extreme = total + g * abs(a), extreme + g * abs(a) * (not band[0] <= r <= band[1])
             continue
         if name == "gmpo":  # log-space clip per token on the side Â's sign makes active
-            kept = [not ((a > 0 and x > clip_high) or (a < 0 and x < -clip_low)) for x, a in zip(d[i], a_t)]
-            hat = [0.0 if a == 0 else (min(x, clip_high) if a > 0 else max(x, -clip_low)) for x, a in zip(d[i], a_t)]
+            kept = [not ((a > 0 and x > clip_high) or (a < 0 and x < -clip_low)) for x, a in zip(d[i], a_t, strict=True)]
+            hat = [0.0 if a == 0 else (min(x, clip_high) if a > 0 else max(x, -clip_low)) for x, a in zip(d[i], a_t, strict=True)]
             g = math.exp(sum(hat) / n)
         else:  # gspo, gspo_token: the sequence ratio against each token's advantage
             kept = [not is_clipped(s[i], a, clip_low, clip_high) for a in a_t]
             g = s[i]
-        mag = g * sum(abs(a) for a, k in zip(a_t, kept) if k) / n
+        mag = g * sum(abs(a) for a, k in zip(a_t, kept, strict=True) if k) / n
         total, extreme = total + mag, extreme + mag * (not band[0] <= s[i] <= band[1])
     return total, extreme
 

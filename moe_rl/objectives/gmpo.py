@@ -30,9 +30,9 @@ from moe_rl.objectives.common import (
     prepare,
     ratio_metrics,
     rollout_is_weight,
-    seq_mean,
     seq_kept_adv,
     seq_log_ratio,
+    seq_mean,
     seq_mean_token_mean,
     weight_sums,
 )

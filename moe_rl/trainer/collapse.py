@@ -16,8 +16,8 @@ advantage (a PPO clip −min(ρÂ, clip(ρ)Â) zeroes the gradient where the cli
 
 | cell | grpo, gspo, gspo_token, gmpo (PPO-style clip) | cispo |
 |---|---|---|
-| `high/neg_adv` | **unclipped, weight ρ·\|Â\| > ratio_max·\|Â\|: the harmful case**, pushing down a token the policy now makes far likelier, with a gradient as large as the ratio (dual-clip, `objective.clip_ratio_c`, zeroes it beyond c) | weight truncated at 1 + clip_high |
-| `low/pos_adv` | unclipped, but weight ρ·\|Â\| < \|Â\| / ratio_max: a negligible gradient; the harm is the lost signal of a good token the policy has all but dropped, not a large step | weight max(ρ, 1 − clip_low) |
+| `high/neg_adv` | **unclipped, weight ρ·\\|Â\\| > ratio_max·\\|Â\\|: the harmful case**, pushing down a token the policy now makes far likelier, with a gradient as large as the ratio (dual-clip, `objective.clip_ratio_c`, zeroes it beyond c) | weight truncated at 1 + clip_high |
+| `low/pos_adv` | unclipped, but weight ρ·\\|Â\\| < \\|Â\\| / ratio_max: a negligible gradient; the harm is the lost signal of a good token the policy has all but dropped, not a large step | weight max(ρ, 1 − clip_low) |
 | `high/pos_adv` | clipped: zero gradient | weight truncated at 1 + clip_high |
 | `low/neg_adv` | clipped: zero gradient | as `low/pos_adv` |
 
