@@ -200,6 +200,19 @@ def test_length_metrics_of_a_step_pool_the_off_policy_minibatches(monkeypatch):
     assert on_policy_only["length/1-4/seqs"] == 0.0 and math.isnan(on_policy_only["length/5-8/token_var"])
 
 
+def test_step_logs_extreme_weight_share_as_a_quotient_of_its_sums(monkeypatch):
+    """A step logs policy/extreme_weight_share = extreme / total gradient weight, both summed over its
+    mini-batches, with objective.extreme_weight_band reaching the objective: a band that only ratio 1
+    fits counts mini-batch 2's off-policy tokens as extreme but not the on-policy mini-batch 1's."""
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(step, "group_advantages", lambda r, *_, **__: torch.randn(r.shape, generator=g))
+    m, _ = _first_step(["objective=grpo", "objective.extreme_weight_band=[0.999999,1.000001]"])
+    total, extreme = m["policy/grad_weight/sum"], m["policy/extreme_grad_weight/sum"]
+    assert m["policy/extreme_weight_share"] == extreme / total
+    assert 0 < extreme < total  # mini-batch 1 (ratios exactly 1) is in the band, mini-batch 2 mostly not
+    assert {f"ratio/token/{s}_adv/{e}" for s in ("pos", "neg") for e in ("max", "min")} <= set(m)
+
+
 def test_task_mix_is_validated_at_start_up():
     """An entry of task.mix outside the task's range, or a sampler.max_new_tokens below the mix's longest
     answer, stops at start-up with a ValueError naming task.mix; a good mix composes."""
