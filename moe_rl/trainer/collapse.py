@@ -131,12 +131,13 @@ class CollapseDetector:
             detail, self.nonfinite_counts = dict(self.nonfinite_counts), {}
             new.append(CollapseEvent(step, "nonfinite", self.nonfinite_first, math.inf, detail))
         blowup = self._blowup(metrics)
-        if blowup:
-            value, threshold = (blowup["high"], c.ratio_max) if "high" in blowup else (blowup["low"], 1 / c.ratio_max)
-            new.append(CollapseEvent(step, "ratio_blowup", value, threshold, blowup))
+        if "high" in blowup:
+            new.append(CollapseEvent(step, "ratio_blowup", blowup["high"], c.ratio_max, blowup))
+        elif "low" in blowup:
+            new.append(CollapseEvent(step, "ratio_blowup", blowup["low"], 1 / c.ratio_max, blowup))
         self.rewards = (self.rewards + [metrics["rollout/reward/mean"]])[-c.reward_window :]
         avg = sum(self.rewards) / len(self.rewards)
-        if len(self.rewards) == c.reward_window:  # a partial window's mean is noisier: it would inflate the best
+        if len(self.rewards) == c.reward_window:  # a partial window's noisier mean would inflate the best
             self.best_avg = max(self.best_avg, avg)
         if step >= c.warmup_steps:
             low = self.best_avg > 0 and avg < c.reward_frac * self.best_avg
