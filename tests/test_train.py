@@ -397,13 +397,19 @@ def test_killed_process_resumes_to_same_metrics(tmp_path, warm_overrides):
 
 def test_unstable_config_logs_collapse_events(tmp_path, warm_overrides):
     """A huge learning rate produces collapse events (logged to events.jsonl and the summary), not a crash,
-    and stop_on_collapse ends the run early saying so."""
+    with per-side-and-sign ratio_blowup counts that match the events' details; stop_on_collapse ends the
+    run early saying so."""
     cfg = compose_config([*TINY, *warm_overrides, "objective=grpo", "trainer.lr=10.0", "trainer.warmup_steps=0",
                           "trainer.steps=4", "collapse.warmup_steps=1", "logger.wandb=false"])
     summary = train(cfg, tmp_path / "a")
     assert summary["collapse_events"], "no collapse event at lr=10"
     events = [json.loads(line) for line in (tmp_path / "a" / "events.jsonl").read_text().splitlines()]
     assert {e["kind"] for e in events} == {e["kind"] for e in summary["collapse_events"]}
+    last = _read_metrics(tmp_path / "a")[-1]
+    for cell in ("high/neg_adv", "low/pos_adv", "high/pos_adv", "low/neg_adv"):  # per-cell counts match events
+        n = sum(e["kind"] == "ratio_blowup" and cell in e["detail"] for e in events)
+        assert last[f"collapse/ratio_blowup/{cell.replace('/', '_')}"] == n, cell
+    assert all({"high", "low"} & set(e["detail"]) for e in events if e["kind"] == "ratio_blowup")
     stop = replace(cfg, collapse=replace(cfg.collapse, stop_on_collapse=True))
     summary = train(stop, tmp_path / "b")
     assert summary["stopped_on_collapse"] is not None
