@@ -257,7 +257,8 @@ def runs(tmp_path_factory, warm_overrides):
     return root, overrides, two
 
 
-CONTINUOUS = ("train/loss", "train/grad_norm", "ratio/token/mean", "policy/approx_kl", "rollout/entropy/mean")
+CONTINUOUS = ("train/loss", "train/grad_norm", "ratio/token/mean", "policy/approx_kl", "rollout/entropy/mean",
+              "policy/grad_weight/sum")
 DISCRETE = ("clip/token_frac", "routing/expert_change/frac", "routing/expert_change/layer_0")
 
 

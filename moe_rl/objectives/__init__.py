@@ -61,14 +61,17 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `rollout_is/clipped_frac` | *_truncate only: 1/N Σ [q_it > cap] |
 | `rollout_is/masked_frac` | *_mask only: 1/N Σ [q_it ∉ [1/cap, cap]] (tokens, or every token of a masked sequence) |
 
-Gradient-carrying entries of the two `*grad_weight/sum` rows. grpo: tokens, g = ρ = r_it, excluding
-low_it, high_it, dual-clipped tokens (Â_it < 0 ∧ r_it > c) and |d_it| > 20 (the clamp passes no
-gradient). gspo: sequences, g = ρ = s_i, excluding clipped or dual-clipped sequences and |mean_t d_it| > 20.
-gspo_token: sequences, g = ρ = s_i with \|Â_i\| read as 1/n_i Σ_t \|Â_it\| over its unclipped tokens (equal
-to gspo's for per-sequence advantages). gmpo: sequences, ρ = s_i (before the clip), g = the clipped
-geometric mean ρ_i with \|Â_i\| · (unclipped tokens with |d_it| ≤ 20) / n_i. cispo drops no token's
-gradient: every valid token, ρ = r_it, g = its truncated weight r̂_it. Neither the rollout IS weight ω nor
-the aggregation's 1/|y_i| or 1/N enters g.
+Gradient-carrying entries k of the two `*grad_weight/sum` rows, their weight g_k on Â ∇logp and the ratio
+ρ_k judged extreme (the issue's Σ|w_it·Â_i| over unclipped tokens, and its sequence analogue):
+- grpo: tokens; g = ρ = r_it; excluded: low_it, high_it, dual-clipped tokens (Â_it < 0 ∧ r_it > c) and
+  |d_it| > 20, where the clamp passes no gradient.
+- gspo: sequences; g = ρ = s_i; excluded: clipped or dual-clipped sequences and |mean_t d_it| > 20.
+- gspo_token: sequences; g = ρ = s_i, with |Â_i| read as 1/n_i Σ_t |Â_it| over the sequence's unclipped
+  tokens (for per-sequence advantages exactly gspo's).
+- gmpo: sequences; ρ = s_i (before the clip), g = the clipped geometric mean ρ_i, with |Â_i| scaled by the
+  fraction of the sequence's tokens that keep a gradient (not clipped, |d_it| ≤ 20).
+- cispo: drops no token's gradient, so every valid token counts; ρ = r_it, g = its truncated weight r̂_it.
+Neither the rollout IS weight ω nor the aggregation's 1/|y_i| or 1/N enters g.
 
 For cispo, low_it = [r_it < 1 − clip_low] and high_it = [r_it > 1 + clip_high] whatever Â's sign: the
 weight is truncated (its gradient scaled, not zeroed). For gmpo, low_it = [Â_i < 0 ∧ d_it < −clip_low]
