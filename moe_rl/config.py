@@ -88,6 +88,9 @@ class ObjectiveConfig:
     """Divide group advantages by the group std (False = Dr. GRPO)."""
     extreme_band: list[float] = field(default_factory=lambda: [0.5, 2.0])
     """Token ratios outside [lo, hi] count in ratio/token/extreme_frac."""
+    extreme_weight_band: list[float] = field(default_factory=lambda: [0.1, 10.0])
+    """Ratios (the objective's own: r_it, or s_i for gspo, gspo_token and gmpo) outside [lo, hi] count as
+    extreme in policy/extreme_weight_share, the share of gradient weight Σ|ρ·Â| such entries carry."""
 
 
 @dataclass
@@ -319,6 +322,9 @@ class Config:
             raise ValueError(
                 f"objective.extreme_band={o.extreme_band}: expected [lo, hi] with 0 <= lo < 1 < hi"
             )
+        band = o.extreme_weight_band
+        if len(band) != 2 or not 0 <= band[0] < 1 < band[1]:
+            raise ValueError(f"objective.extreme_weight_band={band}: expected [lo, hi] with 0 <= lo < 1 < hi")
         if self.routing.replay not in REPLAY_SOURCES:
             raise ValueError(f"routing.replay={self.routing.replay!r}: expected one of {REPLAY_SOURCES}")
         if not 0 <= self.routing.drift <= 1:  # also false for NaN

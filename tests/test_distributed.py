@@ -9,8 +9,10 @@ in nearly-cancelling gradients). The tests assert 1e-4.
 
 import contextlib
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -88,7 +90,8 @@ def test_sampler_rows_reproduce_the_whole_batch(tokenizer):
 
 def test_metrics_reduce_by_kind():
     """Means are weighted by each rank's rows, tokens or positions as the metric averages over them (NaN
-    skipped); */max and time/* take the max, */min the min, throughputs and byte counts add up."""
+    skipped); */max and time/* take the max, */min the min (NaN skipped), */sum, throughputs and byte
+    counts add up."""
     counts = [{"rows": 4.0, "tokens": 1.0, "positions": 2.0}, {"rows": 4.0, "tokens": 3.0, "positions": 6.0}]
     out = reduce_metrics(
         [
@@ -102,6 +105,8 @@ def test_metrics_reduce_by_kind():
                 "time/step_s": 3.0,
                 "throughput/tokens_per_s": 10.0,
                 "routing/replay_cache_bytes": 4.0,
+                "policy/grad_weight/sum": 1.5,
+                "ratio/token/neg_adv/max": float("nan"),
             },
             {
                 "train/loss": 3.0,
@@ -113,6 +118,8 @@ def test_metrics_reduce_by_kind():
                 "time/step_s": 4.0,
                 "throughput/tokens_per_s": 20.0,
                 "routing/replay_cache_bytes": 4.0,
+                "policy/grad_weight/sum": 2.5,
+                "ratio/token/neg_adv/max": 3.0,
             },
         ],
         counts,
@@ -127,7 +134,79 @@ def test_metrics_reduce_by_kind():
         "time/step_s": 4.0,
         "throughput/tokens_per_s": 30.0,
         "routing/replay_cache_bytes": 8.0,
+        "policy/grad_weight/sum": 4.0,
+        "ratio/token/neg_adv/max": 3.0,
     }
+
+
+SHARE_KEYS = ("policy/grad_weight/sum", "policy/extreme_grad_weight/sum", "policy/extreme_weight_share")
+SIGN_KEYS = tuple(f"ratio/{lv}/{sg}_adv/{ext}" for lv in ("token", "seq") for sg in ("pos", "neg") for ext in ("max", "min"))
+
+
+def _pooled(name: str) -> dict[str, float]:
+    """One objective call on all 8 rows of `weight_batch`: the statistics a reduction must reproduce."""
+    from dp_weight_share_worker import CLIP, weight_batch
+
+    from moe_rl.objectives import OBJECTIVES
+    from moe_rl.objectives.common import extreme_weight_share
+
+    _, m = OBJECTIVES[name](*weight_batch(), **CLIP)
+    return {**m, **extreme_weight_share(m)}
+
+
+@pytest.mark.parametrize("name", ["cispo", "gmpo", "grpo", "gspo", "gspo_token"])
+def test_weight_share_and_sign_extremes_reduce_exactly_over_ranks_and_minibatches(name):
+    """Two ranks x two mini-batches reduced as the step reduces them give the extreme-weight share of all
+    rows pooled (a ratio of sums, not a mean of shares) and the pooled per-sign ratio extremes, even where
+    one rank has no token of a sign (NaN there)."""
+    from dp_weight_share_worker import CLIP, rows, weight_batch
+
+    from moe_rl.objectives import OBJECTIVES
+    from moe_rl.objectives.common import extreme_weight_share
+    from moe_rl.trainer.step_metrics import over_minibatches, ratio_extremes
+
+    logp_BT, old_BT, adv_B, mask_BT = weight_batch()
+    per_mb, shares, per_rank_mb0 = [], [], []
+    for j in range(2):
+        ms, ns = [], []
+        for rank in range(2):
+            sl = rows(j, rank, 2)
+            _, m = OBJECTIVES[name](logp_BT[sl], old_BT[sl], adv_B[sl], mask_BT[sl], **CLIP)
+            ms.append(m)
+            ns.append({"rows": 2.0, "tokens": float(mask_BT[sl].sum()), "positions": 0.0})
+            shares.append(extreme_weight_share(m)["policy/extreme_weight_share"])
+        per_mb.append(reduce_metrics(ms, ns))
+        per_rank_mb0 = per_rank_mb0 or ms
+    got, want = {**over_minibatches(per_mb), **ratio_extremes(per_mb)}, _pooled(name)
+    assert math.isnan(per_rank_mb0[0]["ratio/token/neg_adv/max"])  # rank 0's first rows: no negative advantage
+    assert 0 < want["policy/extreme_weight_share"] < 1
+    for key in SHARE_KEYS + SIGN_KEYS:
+        assert got[key] == pytest.approx(want[key], rel=1e-12), key
+    naive = statistics.fmean(x for x in shares if not math.isnan(x))
+    assert abs(naive - want["policy/extreme_weight_share"]) > 1e-3, "the case must tell a ratio of sums apart"
+
+
+@pytest.mark.slow
+def test_weight_share_and_sign_extremes_match_one_process_under_torchrun(tmp_path):
+    """torchrun with 2 gloo processes reduces every objective's extreme-weight sums, share and per-sign
+    ratio extremes to exactly the 1-process values on the same rows."""
+    from dp_weight_share_worker import step_metrics
+
+    out = tmp_path / "out.json"
+    worker = Path(__file__).with_name("dp_weight_share_worker.py")
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker), str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    two = json.loads(out.read_text())
+    for name, got in two.items():
+        one = step_metrics(name, 0, 1, lambda obj: [obj])
+        assert 0 < one["policy/extreme_weight_share"] < 1, name
+        for key in SHARE_KEYS + SIGN_KEYS:
+            assert got[key] == pytest.approx(one[key], rel=1e-12, nan_ok=True), (name, key)
 
 
 def test_uneven_split_over_ranks_is_refused():
@@ -178,7 +257,8 @@ def runs(tmp_path_factory, warm_overrides):
     return root, overrides, two
 
 
-CONTINUOUS = ("train/loss", "train/grad_norm", "ratio/token/mean", "policy/approx_kl", "rollout/entropy/mean")
+CONTINUOUS = ("train/loss", "train/grad_norm", "ratio/token/mean", "policy/approx_kl", "rollout/entropy/mean",
+              "policy/grad_weight/sum")
 DISCRETE = ("clip/token_frac", "routing/expert_change/frac", "routing/expert_change/layer_0",
             "routing/margin/median", "routing/margin/p10", "routing/margin/frac_below_0.1",
             "routing/margin/layer_0", "routing/logit_shift/after_one_update", "routing/margin/predicted_change")

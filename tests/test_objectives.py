@@ -166,7 +166,32 @@ def test_kl_penalty_matches_reference(name, loss_agg):
     assert metrics["policy/ref_kl"] == pytest.approx(kl.item(), rel=1e-12)
 
 
-def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)):
+def ref_weight_sums(d, s, adv, mask, name, clip_low, clip_high, band):
+    """(Σ g·|Â|, the same over extreme ratios) over gradient-carrying tokens or sequences, by loops."""
+    total, extreme = 0.0, 0.0
+    for i in d:
+        toks, n = valid(mask, i), len(d[i])
+        a_t = [adv_at(adv, i, t).item() for t in toks]
+        if name in ("grpo", "cispo"):  # per token; cispo keeps every token with its truncated weight
+            for x, a in zip(d[i], a_t, strict=True):
+                r = math.exp(x)
+                g = min(max(r, 1 - clip_low), 1 + clip_high) if name == "cispo" else r
+                if name == "cispo" or (not is_clipped(r, a, clip_low, clip_high) and abs(x) <= 20):
+                    total, extreme = total + g * abs(a), extreme + g * abs(a) * (not band[0] <= r <= band[1])
+            continue
+        if name == "gmpo":  # log-space clip per token on the side Â's sign makes active
+            kept = [not ((a > 0 and x > clip_high) or (a < 0 and x < -clip_low)) for x, a in zip(d[i], a_t, strict=True)]
+            hat = [0.0 if a == 0 else (min(x, clip_high) if a > 0 else max(x, -clip_low)) for x, a in zip(d[i], a_t, strict=True)]
+            g = math.exp(sum(hat) / n)
+        else:  # gspo, gspo_token: the sequence ratio against each token's advantage
+            kept = [not is_clipped(s[i], a, clip_low, clip_high) for a in a_t]
+            g = s[i]
+        mag = g * sum(abs(a) for a, k in zip(a_t, kept, strict=True) if k) / n
+        total, extreme = total + mag, extreme + mag * (not band[0] <= s[i] <= band[1])
+    return total, extreme
+
+
+def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0), weight_band=(0.1, 10.0)):
     """Every documented metric, from Python floats and the statistics module."""
     rows = [i for i in range(mask.shape[0]) if valid(mask, i)]
     d = {i: [(logp[i, t] - old[i, t]).item() for t in valid(mask, i)] for i in rows}
@@ -174,6 +199,7 @@ def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)
     s = {i: math.exp(sum(d[i]) / len(d[i])) for i in rows}
     flat_d, flat_r = [x for i in rows for x in d[i]], [x for i in rows for x in r[i]]
     low, high, seq_clipped = 0, 0, 0
+    by_sign = {(level, sign): [] for level in ("token", "seq") for sign in ("pos", "neg")}
     for i in rows:
         flags = []
         for k, t in enumerate(valid(mask, i)):
@@ -186,9 +212,13 @@ def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)
                 lo, hi = a < 0 and rho < 1 - clip_low, a > 0 and rho > 1 + clip_high
             low, high = low + lo, high + hi
             flags.append(lo or hi)
+            if a != 0:
+                by_sign["token", "pos" if a > 0 else "neg"].append(r[i][k])
+                by_sign["seq", "pos" if a > 0 else "neg"].append(s[i])
         seq_clipped += any(flags)
     n = len(flat_r)
     within_var = [statistics.pvariance(r[i]) for i in rows if len(r[i]) >= 2]
+    total, extreme = ref_weight_sums(d, s, adv, mask, name, clip_low, clip_high, weight_band)
     return {
         "clip/token_frac": (low + high) / n, "clip/low_frac": low / n, "clip/high_frac": high / n,
         "clip/seq_frac": seq_clipped / len(rows),
@@ -198,22 +228,32 @@ def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)
         "ratio/token/extreme_frac": sum(not band[0] <= x <= band[1] for x in flat_r) / n,
         "ratio/seq/mean": statistics.fmean(s.values()), "ratio/seq/var": statistics.pvariance(s.values()),
         "ratio/seq/max": max(s.values()), "ratio/seq/min": min(s.values()),
+        **{f"ratio/{level}/{sign}_adv/{ext}": fn(xs) for (level, sign), xs in by_sign.items()
+           for ext, fn in (("max", max), ("min", min))},
         "policy/approx_kl": statistics.fmean(math.exp(x) - x - 1 for x in flat_d),  # (r - 1) - log r
         "policy/logp_diff/abs_mean": statistics.fmean(abs(x) for x in flat_d),
+        "policy/grad_weight/sum": total,
+        "policy/extreme_grad_weight/sum": extreme,
     }
 
 
+@pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_metrics_match_reference(name):
-    """Every documented metric is a Python float equal to its formula, with no gradient attached."""
-    logp, old, adv, mask, _ = make_batch(seed=4)
+def test_metrics_match_reference(name, per_token):
+    """Every documented metric is a Python float equal to its formula, with no gradient attached; the
+    gradient-weight sums hold both extreme and ordinary entries under a narrow band."""
+    if per_token and SPECS[name].seq_advantages_only:
+        pytest.skip(f"{name} takes per-sequence advantages only")
+    logp, old, adv, mask, _ = make_batch(seed=4, per_token=per_token)
     old = torch.where(mask, old - 0.4 * torch.rand_like(old), old)  # push some ratios outside (0.5, 2)
     clip = CLIP if name == "grpo" else {"clip_low": 0.03, "clip_high": 0.04}
-    _, metrics = OBJECTIVES[name](logp, old, adv, mask, **clip)
-    expected = ref_metrics(logp, old, adv, mask, name, **clip)
+    weight_band = (0.8, 1.25)
+    _, metrics = OBJECTIVES[name](logp, old, adv, mask, **clip, extreme_weight_band=weight_band)
+    expected = ref_metrics(logp, old, adv, mask, name, **clip, weight_band=weight_band)
     assert set(metrics) == set(expected)
     assert all(type(v) is float for v in metrics.values())
     assert metrics["ratio/token/extreme_frac"] > 0 and metrics["clip/token_frac"] > 0
+    assert 0 < metrics["policy/extreme_grad_weight/sum"] < metrics["policy/grad_weight/sum"]
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
@@ -353,6 +393,24 @@ def test_grpo_clip_diagnostics_hand_constructed():
     clipped = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 0], [0, 0, 0]], dtype=torch.bool)
     grad = grad_of(loss, logp)
     assert (grad[clipped] == 0).all() and (grad[:3][mask[:3] & ~clipped[:3]] != 0).all()
+
+
+def test_extreme_weight_sums_hand_constructed():
+    """grpo weighs only tokens with a gradient (no clip, dual-clip cap or ±20 clamp zeroes it) by w·|Â|;
+    cispo weighs every token by its truncated weight; the share is their quotient, NaN when nothing is left."""
+    from moe_rl.objectives.common import extreme_weight_share
+
+    hi, lo = math.log(20.0), math.log(0.05)
+    logp, old, adv, mask = clip_case([[0.0, hi, lo], [hi, 25.0, lo], [hi]], [1.0, -1.0, 0.0])
+    keys = ("policy/grad_weight/sum", "policy/extreme_grad_weight/sum")
+    for c, total, extreme, grads in ((None, 21.05, 20.05, [[1, 0, 1], [1, 0, 0]]), (3.0, 1.05, 0.05, [[1, 0, 1], [0, 0, 0]])):
+        loss, m = OBJECTIVES["grpo"](logp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=c)
+        assert [m[k] for k in keys] == pytest.approx([total, extreme], rel=1e-12), c
+        assert (grad_of(loss, logp)[:2] != 0).tolist() == [[bool(g) for g in row] for row in grads], c
+        assert extreme_weight_share(m)["policy/extreme_weight_share"] == pytest.approx(extreme / total)
+    _, m = OBJECTIVES["cispo"](logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert [m[k] for k in keys] == pytest.approx([1 + 3 * 1.28 + 2 * 0.8, 3 * 1.28 + 2 * 0.8], rel=1e-12)
+    assert math.isnan(extreme_weight_share({keys[0]: 0.0, keys[1]: 0.0})["policy/extreme_weight_share"])
 
 
 def test_gspo_clip_diagnostics_count_every_token_of_a_clipped_sequence():

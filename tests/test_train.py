@@ -200,6 +200,19 @@ def test_length_metrics_of_a_step_pool_the_off_policy_minibatches(monkeypatch):
     assert on_policy_only["length/1-4/seqs"] == 0.0 and math.isnan(on_policy_only["length/5-8/token_var"])
 
 
+def test_step_logs_extreme_weight_share_as_a_quotient_of_its_sums(monkeypatch):
+    """A step logs policy/extreme_weight_share = extreme / total gradient weight, both summed over its
+    mini-batches, with objective.extreme_weight_band reaching the objective: a band that only ratio 1
+    fits counts mini-batch 2's off-policy tokens as extreme but not the on-policy mini-batch 1's."""
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(step, "group_advantages", lambda r, *_, **__: torch.randn(r.shape, generator=g))
+    m, _ = _first_step(["objective=grpo", "objective.extreme_weight_band=[0.999999,1.000001]"])
+    total, extreme = m["policy/grad_weight/sum"], m["policy/extreme_grad_weight/sum"]
+    assert m["policy/extreme_weight_share"] == extreme / total
+    assert 0 < extreme < total  # mini-batch 1 (ratios exactly 1) is in the band, mini-batch 2 mostly not
+    assert {f"ratio/token/{s}_adv/{e}" for s in ("pos", "neg") for e in ("max", "min")} <= set(m)
+
+
 def test_task_mix_is_validated_at_start_up():
     """An entry of task.mix outside the task's range, or a sampler.max_new_tokens below the mix's longest
     answer, stops at start-up with a ValueError naming task.mix; a good mix composes."""
@@ -384,13 +397,19 @@ def test_killed_process_resumes_to_same_metrics(tmp_path, warm_overrides):
 
 def test_unstable_config_logs_collapse_events(tmp_path, warm_overrides):
     """A huge learning rate produces collapse events (logged to events.jsonl and the summary), not a crash,
-    and stop_on_collapse ends the run early saying so."""
+    with per-side-and-sign ratio_blowup counts that match the events' details; stop_on_collapse ends the
+    run early saying so."""
     cfg = compose_config([*TINY, *warm_overrides, "objective=grpo", "trainer.lr=10.0", "trainer.warmup_steps=0",
                           "trainer.steps=4", "collapse.warmup_steps=1", "logger.wandb=false"])
     summary = train(cfg, tmp_path / "a")
     assert summary["collapse_events"], "no collapse event at lr=10"
     events = [json.loads(line) for line in (tmp_path / "a" / "events.jsonl").read_text().splitlines()]
     assert {e["kind"] for e in events} == {e["kind"] for e in summary["collapse_events"]}
+    last = _read_metrics(tmp_path / "a")[-1]
+    for cell in ("high/neg_adv", "low/pos_adv", "high/pos_adv", "low/neg_adv"):  # per-cell counts match events
+        n = sum(e["kind"] == "ratio_blowup" and cell in e["detail"] for e in events)
+        assert last[f"collapse/ratio_blowup/{cell.replace('/', '_')}"] == n, cell
+    assert all({"high", "low"} & set(e["detail"]) for e in events if e["kind"] == "ratio_blowup")
     stop = replace(cfg, collapse=replace(cfg.collapse, stop_on_collapse=True))
     summary = train(stop, tmp_path / "b")
     assert summary["stopped_on_collapse"] is not None

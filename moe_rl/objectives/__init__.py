@@ -8,7 +8,8 @@ the same way whichever it is:
     loss, metrics = OBJECTIVES[name](logp_BT, old_logp_BT, adv_B_or_BT, mask_BT,
                                      clip_low=..., clip_high=..., loss_agg=..., max_len=...,
                                      beta=..., ref_logp=..., extreme_band=..., kl_estimator=...,
-                                     clip_ratio_c=..., sampler_logp=..., rollout_is=..., rollout_is_cap=...)
+                                     clip_ratio_c=..., sampler_logp=..., rollout_is=..., rollout_is_cap=...,
+                                     extreme_weight_band=...)
 
 GRPO and GSPO differ only in the importance ratio they clip: w_it per token (GRPO) or s_i per sequence
 (GSPO). GMPO clips each token's log-ratio and then takes the sequence's geometric mean; CISPO clips the
@@ -48,6 +49,10 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `ratio/seq/mean` | 1/B' Σ_i s_i |
 | `ratio/seq/var` | 1/B' Σ_i (s_i − mean s)² |
 | `ratio/seq/max`, `ratio/seq/min` | max_i s_i, min_i s_i |
+| `ratio/token/pos_adv/max`, `ratio/token/pos_adv/min`, `ratio/token/neg_adv/max`, `ratio/token/neg_adv/min` | max and min of r_it over valid tokens with Â_it > 0 (`pos_adv`) or Â_it < 0 (`neg_adv`); Â = 0 counts in neither; NaN when there is no such token. They say which side of a blow-up can carry gradient (moe_rl.trainer.collapse) |
+| `ratio/seq/pos_adv/max`, ..., `ratio/seq/neg_adv/min` | the same for s_i, over the tokens of each sign (s_i at each of its sequence's tokens) |
+| `policy/grad_weight/sum` | Σ_k g_k \|Â_k\| over gradient-carrying entries k (defined below): the total weight on the ∇logp terms before aggregation; a sum, so mini-batches and ranks add it |
+| `policy/extreme_grad_weight/sum` | the same sum over the entries whose ratio ρ_k is extreme: ρ_k < lo or ρ_k > hi, (lo, hi) = extreme_weight_band, default (0.1, 10). The trainer logs their quotient as `policy/extreme_weight_share` (`common.extreme_weight_share`) |
 | `policy/approx_kl` | 1/N Σ exp(d_it) − d_it − 1 = (r − 1) − log r, r = π_θ/π_old: the unbiased k3 estimate of KL(π_old ‖ π_θ) on samples from π_old (cleanrl, TRL); d clamped to ±20 |
 | `policy/logp_diff/abs_mean` | 1/N Σ abs(d_it) (not clamped) |
 | `policy/ref_kl` | beta > 0 only: agg(kl_it) with the chosen `kl_estimator` (default k3 = exp(δ_it) − δ_it − 1), δ = ref_logp − logp; the penalty before beta |
@@ -55,6 +60,18 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `rollout_is/mean`, `rollout_is/max` | rollout_is ≠ none only: 1/N Σ q_it and max q_it of the sampler correction q_it = exp(clamp(old_logp_it − sampler_logp_it, ±20)) before truncation or masking; sequence modes use q_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) at each of the sequence's tokens |
 | `rollout_is/clipped_frac` | *_truncate only: 1/N Σ [q_it > cap] |
 | `rollout_is/masked_frac` | *_mask only: 1/N Σ [q_it ∉ [1/cap, cap]] (tokens, or every token of a masked sequence) |
+
+Gradient-carrying entries k of the two `*grad_weight/sum` rows, their weight g_k on Â ∇logp and the ratio
+ρ_k judged extreme (the issue's Σ|w_it·Â_i| over unclipped tokens, and its sequence analogue):
+- grpo: tokens; g = ρ = r_it; excluded: low_it, high_it, dual-clipped tokens (Â_it < 0 ∧ r_it > c) and
+  |d_it| > 20, where the clamp passes no gradient.
+- gspo: sequences; g = ρ = s_i; excluded: clipped or dual-clipped sequences and |mean_t d_it| > 20.
+- gspo_token: sequences; g = ρ = s_i, with |Â_i| read as 1/n_i Σ_t |Â_it| over the sequence's unclipped
+  tokens (for per-sequence advantages exactly gspo's).
+- gmpo: sequences; ρ = s_i (before the clip), g = the clipped geometric mean ρ_i, with |Â_i| scaled by the
+  fraction of the sequence's tokens that keep a gradient (not clipped, |d_it| ≤ 20).
+- cispo: drops no token's gradient, so every valid token counts; ρ = r_it, g = its truncated weight r̂_it.
+Neither the rollout IS weight ω nor the aggregation's 1/|y_i| or 1/N enters g.
 
 For cispo, low_it = [r_it < 1 − clip_low] and high_it = [r_it > 1 + clip_high] whatever Â's sign: the
 weight is truncated (its gradient scaled, not zeroed). For gmpo, low_it = [Â_i < 0 ∧ d_it < −clip_low]
@@ -97,6 +114,7 @@ class Objective(Protocol):
         sampler_logp: Tensor | None = ...,
         rollout_is: str = ...,
         rollout_is_cap: float = ...,
+        extreme_weight_band: tuple[float, float] = ...,
     ) -> tuple[Tensor, dict[str, float]]: ...
 
 

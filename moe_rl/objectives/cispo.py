@@ -20,6 +20,7 @@ from torch import Tensor
 
 from moe_rl.objectives.common import (
     DEFAULT_EXTREME_BAND,
+    DEFAULT_EXTREME_WEIGHT_BAND,
     LOG_RATIO_BOUND,
     aggregation,
     check_corrections,
@@ -29,6 +30,7 @@ from moe_rl.objectives.common import (
     prepare,
     ratio_metrics,
     rollout_is_weight,
+    weight_sums,
 )
 
 
@@ -50,6 +52,7 @@ def cispo(
     sampler_logp: Tensor | None = None,
     rollout_is: str = "none",
     rollout_is_cap: float = 2.0,
+    extreme_weight_band: tuple[float, float] = DEFAULT_EXTREME_WEIGHT_BAND,
 ) -> tuple[Tensor, dict[str, float]]:
     """CISPO loss: a stop-gradient clipped token ratio weights log π_θ.
 
@@ -67,11 +70,15 @@ def cispo(
             sampler_logp, rollout_is, rollout_is_cap: as in `grpo`.
         clip_low, clip_high: the weight's clip range [1 − clip_low, 1 + clip_high]; clip_low may be 1.
         clip_ratio_c: must be None: the loss has no min for a dual clip to cap.
+        extreme_weight_band: `policy/extreme_weight_share` counts tokens whose r_it (before truncation)
+            lies outside it as extreme. No token's gradient is dropped, so the share is over all valid
+            tokens, each weighted by its truncated weight: Σ r̂_it |Â_it| [r_it extreme] / Σ r̂_it |Â_it|.
 
     Returns:
         (loss, metrics): the `moe_rl.objectives` diagnostics; clip/* count truncated weights (see above).
     """
-    check_options(clip_low, clip_high, beta, ref_logp, extreme_band, allow_no_lower_clip=True)
+    check_options(clip_low, clip_high, beta, ref_logp, extreme_band, extreme_weight_band,
+                  allow_no_lower_clip=True)
     check_corrections(mask, kl_estimator, clip_ratio_c, sampler_logp, rollout_is, rollout_is_cap)
     if clip_ratio_c is not None:
         raise ValueError(f"cispo has no min for dual-clip to cap: clip_ratio_c must be None, "
@@ -89,7 +96,8 @@ def cispo(
 
     metrics = {
         **clip_fracs(mask_BT & (r_BT < 1.0 - clip_low), mask_BT & (r_BT > 1.0 + clip_high), mask_BT),
-        **ratio_metrics(logp_BT, old_logp_BT, mask_BT, extreme_band),
+        **weight_sums(r_BT, r_hat_BT, adv_BT.abs(), mask_BT, extreme_weight_band),
+        **ratio_metrics(logp_BT, old_logp_BT, adv_BT, mask_BT, extreme_band),
         **kl_metrics,
         **is_metrics,
     }

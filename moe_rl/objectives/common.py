@@ -20,6 +20,8 @@ float32, squares included. Beyond the bound the clamp passes no gradient: a toke
 
 SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 DEFAULT_EXTREME_BAND = (0.5, 2.0)
+DEFAULT_EXTREME_WEIGHT_BAND = (0.1, 10.0)
+"""Ratios outside it count as extreme in `policy/extreme_weight_share` (objective.extreme_weight_band)."""
 
 Aggregate = Callable[[Tensor, Tensor], Tensor]
 
@@ -56,6 +58,7 @@ def check_options(
     beta: float,
     ref_logp: Tensor | None,
     extreme_band: tuple[float, float],
+    extreme_weight_band: tuple[float, float] = DEFAULT_EXTREME_WEIGHT_BAND,
     allow_no_lower_clip: bool = False,
 ) -> None:
     """Raise ValueError on options that cannot mean what the caller intends.
@@ -72,6 +75,8 @@ def check_options(
         raise ValueError(f"beta={beta} > 0 needs ref_logp, the reference policy's [B, T] log-probs")
     if not 0.0 <= extreme_band[0] < extreme_band[1]:
         raise ValueError(f"extreme_band must be (lo, hi) with 0 <= lo < hi, got {extreme_band}")
+    if not 0.0 <= extreme_weight_band[0] < extreme_weight_band[1]:
+        raise ValueError(f"extreme_weight_band must be (lo, hi) with 0 <= lo < hi, got {extreme_weight_band}")
 
 
 def check_corrections(
@@ -272,11 +277,78 @@ def dual_clip_metrics(
 
 
 @torch.no_grad()
+def ppo_keep(
+    ratio_BT: Tensor,
+    adv_BT: Tensor,
+    mask_BT: Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None,
+    in_bound_BT: Tensor,
+) -> Tensor:
+    """[B, T] bool: valid tokens whose gradient under `clipped_surrogate` is not zeroed: neither clip of
+    the min is active (Â < 0 ∧ ρ < 1 − clip_low, Â > 0 ∧ ρ > 1 + clip_high), nor dual-clip's cap
+    (Â < 0 ∧ ρ > c), and the log-ratio lies within ±LOG_RATIO_BOUND (`in_bound_BT`; beyond it the clamp
+    passes no gradient)."""
+    clipped_BT = ((adv_BT < 0) & (ratio_BT < 1.0 - clip_low)) | ((adv_BT > 0) & (ratio_BT > 1.0 + clip_high))
+    if clip_ratio_c is not None:
+        clipped_BT = clipped_BT | ((adv_BT < 0) & (ratio_BT > clip_ratio_c))
+    return mask_BT & ~clipped_BT & in_bound_BT
+
+
+@torch.no_grad()
+def seq_kept_adv(adv_BT: Tensor, keep_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """[B] 1/n_i Σ_t keep_it |Â_it|: a sequence's advantage magnitude over its gradient-carrying tokens
+    (|Â_i| for a sequence clipped whole or not at all under per-sequence advantages; 0 if empty)."""
+    return torch.where(keep_BT, adv_BT.abs(), 0.0).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+
+
+@torch.no_grad()
+def weight_sums(
+    ratio: Tensor, weight: Tensor, abs_adv: Tensor, keep: Tensor, band: tuple[float, float]
+) -> dict[str, float]:
+    """The two float64 sums whose ratio is `policy/extreme_weight_share` (`extreme_weight_share`):
+
+        policy/grad_weight/sum          = Σ_k keep_k · weight_k · |Â_k|
+        policy/extreme_grad_weight/sum  = Σ_k keep_k · weight_k · |Â_k| · [ratio_k < lo ∨ ratio_k > hi]
+
+    k runs over tokens ([B, T], token-ratio objectives) or sequences ([B], sequence-ratio objectives);
+    weight is what multiplies Â ∇logp in the objective's gradient, ratio what is judged extreme, keep the
+    entries whose gradient is not zeroed. Sums, so mini-batches and ranks add them exactly."""
+    mag = torch.where(keep, weight.double() * abs_adv.double(), 0.0)
+    extreme = (ratio < band[0]) | (ratio > band[1])
+    return _floats({
+        "policy/grad_weight/sum": mag.sum(),
+        "policy/extreme_grad_weight/sum": torch.where(extreme, mag, 0.0).sum(),
+    })
+
+
+def extreme_weight_share(metrics: dict[str, float]) -> dict[str, float]:
+    """`policy/extreme_weight_share` from the `weight_sums` in `metrics` (one call's, or summed over
+    mini-batches and ranks): extreme / total, NaN when no gradient-carrying weight is left (total 0)."""
+    total = metrics["policy/grad_weight/sum"]
+    share = metrics["policy/extreme_grad_weight/sum"] / total if total > 0 else math.nan
+    return {"policy/extreme_weight_share": share}
+
+
+def _sign_extremes(ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, level: str) -> dict[str, Tensor]:
+    """`ratio/<level>/{pos,neg}_adv/{max,min}`: extremes of the ratio over valid entries with Â > 0 or
+    Â < 0 (Â = 0 carries no gradient and counts in neither); NaN where there is none."""
+    out = {}
+    for sign, sel_BT in (("pos", mask_BT & (adv_BT > 0)), ("neg", mask_BT & (adv_BT < 0))):
+        x_N = ratio_BT[sel_BT]
+        nan = x_N.new_tensor(float("nan"))
+        out[f"ratio/{level}/{sign}_adv/max"] = x_N.max() if x_N.numel() else nan
+        out[f"ratio/{level}/{sign}_adv/min"] = x_N.min() if x_N.numel() else nan
+    return out
+
+
+@torch.no_grad()
 def ratio_metrics(
-    logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor, extreme_band: tuple[float, float]
+    logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, extreme_band: tuple[float, float]
 ) -> dict[str, float]:
     """Token and sequence importance-ratio statistics and the policy's drift, in float64 (see __init__)."""
-    logp_BT, old_logp_BT = logp_BT.double(), old_logp_BT.double()
+    logp_BT, old_logp_BT, adv_BT = logp_BT.double(), old_logp_BT.double(), adv_BT.double()
     diff_BT = logp_BT - old_logp_BT
     ratio_BT = diff_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
     len_B = mask_BT.sum(-1)
@@ -284,7 +356,8 @@ def ratio_metrics(
     seq_ratio_mean_B = torch.where(mask_BT, ratio_BT, 0.0).sum(-1) / len_B.clamp(min=1)
     within_var_B = torch.where(mask_BT, ratio_BT - seq_ratio_mean_B[:, None], 0.0).square().sum(-1)
     within_var_B = within_var_B / len_B.clamp(min=1)
-    s_B = seq_log_ratio(logp_BT, old_logp_BT, mask_BT).exp()[len_B > 0]
+    s_all_B = seq_log_ratio(logp_BT, old_logp_BT, mask_BT).exp()
+    s_B = s_all_B[len_B > 0]
     nan = ratio_N.new_tensor(float("nan"))
     extreme_N = (ratio_N < extreme_band[0]) | (ratio_N > extreme_band[1])
     return _floats({
@@ -298,6 +371,8 @@ def ratio_metrics(
         "ratio/seq/var": (s_B - s_B.mean()).square().mean(),
         "ratio/seq/max": s_B.max() if s_B.numel() else nan,
         "ratio/seq/min": s_B.min() if s_B.numel() else nan,
+        **_sign_extremes(ratio_BT, adv_BT, mask_BT, "token"),
+        **_sign_extremes(s_all_B[:, None].expand_as(ratio_BT), adv_BT, mask_BT, "seq"),
         # KL(π_old ‖ π_θ) on samples from π_old, unbiased: (r − 1) − log r with r = π_θ / π_old (as cleanrl
         # and TRL); k3(new, old) would estimate the other direction, agreeing only to second order.
         "policy/approx_kl": k3(old_logp_BT, logp_BT)[mask_BT].mean(),

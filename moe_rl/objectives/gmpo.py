@@ -20,6 +20,7 @@ from torch import Tensor
 
 from moe_rl.objectives.common import (
     DEFAULT_EXTREME_BAND,
+    DEFAULT_EXTREME_WEIGHT_BAND,
     LOG_RATIO_BOUND,
     SEQ_MEAN_TOKEN_MEAN,
     check_corrections,
@@ -29,8 +30,11 @@ from moe_rl.objectives.common import (
     prepare,
     ratio_metrics,
     rollout_is_weight,
+    seq_kept_adv,
+    seq_log_ratio,
     seq_mean,
     seq_mean_token_mean,
+    weight_sums,
 )
 
 
@@ -52,6 +56,7 @@ def gmpo(
     sampler_logp: Tensor | None = None,
     rollout_is: str = "none",
     rollout_is_cap: float = 2.0,
+    extreme_weight_band: tuple[float, float] = DEFAULT_EXTREME_WEIGHT_BAND,
 ) -> tuple[Tensor, dict[str, float]]:
     """GMPO loss: the geometric mean of token ratios, each clipped in log space, one term per sequence.
 
@@ -71,11 +76,14 @@ def gmpo(
         clip_low, clip_high: log-space clip [−clip_low, clip_high] of each d_it (paper: 0.4, 0.4).
         loss_agg: must be "seq-mean-token-mean". max_len: unused (accepted for a shared signature).
         clip_ratio_c: must be None (dual-clip is defined for PPO's min, not for GMPO).
+        extreme_weight_band: `policy/extreme_weight_share` counts a sequence as extreme when its unclipped
+            geometric mean s_i lies outside it; its weight is ρ_i · 1/|y_i| Σ_t |Â_i| over its
+            gradient-carrying tokens (the coefficient of its ∇logp_it terms).
 
     Returns:
         (loss, metrics): the `moe_rl.objectives` diagnostics; clip/* count tokens whose clip is active.
     """
-    check_options(clip_low, clip_high, beta, ref_logp, extreme_band)
+    check_options(clip_low, clip_high, beta, ref_logp, extreme_band, extreme_weight_band)
     check_corrections(mask, kl_estimator, clip_ratio_c, sampler_logp, rollout_is, rollout_is_cap)
     if loss_agg != SEQ_MEAN_TOKEN_MEAN:
         raise ValueError(f"gmpo has one loss term per sequence: loss_agg must be {SEQ_MEAN_TOKEN_MEAN!r}, "
@@ -98,9 +106,13 @@ def gmpo(
     with torch.no_grad():
         low_BT = mask_BT & (sign_BT < 0) & (d_BT < -clip_low)
         high_BT = mask_BT & (sign_BT > 0) & (d_BT > clip_high)
+        keep_BT = mask_BT & ~low_BT & ~high_BT & ((logp_BT - old_logp_BT).abs() <= LOG_RATIO_BOUND)
+        s_B = seq_log_ratio(logp_BT, old_logp_BT, mask_BT).exp()
+        adv_BT = adv_B[:, None].expand_as(d_BT)
     metrics = {
         **clip_fracs(low_BT, high_BT, mask_BT),
-        **ratio_metrics(logp_BT, old_logp_BT, mask_BT, extreme_band),
+        **weight_sums(s_B, rho_B, seq_kept_adv(adv_BT, keep_BT, mask_BT), mask_BT.any(-1), extreme_weight_band),
+        **ratio_metrics(logp_BT, old_logp_BT, adv_BT, mask_BT, extreme_band),
         **kl_metrics,
         **is_metrics,
     }

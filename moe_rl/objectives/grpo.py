@@ -12,6 +12,7 @@ from torch import Tensor
 
 from moe_rl.objectives.common import (
     DEFAULT_EXTREME_BAND,
+    DEFAULT_EXTREME_WEIGHT_BAND,
     LOG_RATIO_BOUND,
     SEQ_MEAN_TOKEN_MEAN,
     aggregation,
@@ -21,9 +22,11 @@ from moe_rl.objectives.common import (
     clipped_surrogate,
     dual_clip_metrics,
     kl_penalty,
+    ppo_keep,
     prepare,
     ratio_metrics,
     rollout_is_weight,
+    weight_sums,
 )
 
 
@@ -45,6 +48,7 @@ def grpo(
     sampler_logp: Tensor | None = None,
     rollout_is: str = "none",
     rollout_is_cap: float = 2.0,
+    extreme_weight_band: tuple[float, float] = DEFAULT_EXTREME_WEIGHT_BAND,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss with the token-level importance ratio w_it.
 
@@ -69,6 +73,7 @@ def grpo(
         beta: coefficient of the k3 KL penalty to the reference policy (0 = none, as in the paper).
         ref_logp: [B, T] log π_ref; required when beta > 0, unused when beta == 0.
         extreme_band: `ratio/token/extreme_frac` counts token ratios outside this interval.
+        extreme_weight_band: `policy/extreme_weight_share` counts w_it outside this interval as extreme.
         kl_estimator: kl above, one of common.KL_ESTIMATORS (k1, k2, k3, low_var_kl).
         clip_ratio_c: dual-clip constant c > 1 (verl `clip_ratio_c`, paper 3); None = off.
         sampler_logp, rollout_is, rollout_is_cap: the rollout IS weight ω_it (1 when rollout_is="none");
@@ -78,23 +83,27 @@ def grpo(
         (loss, metrics): a scalar to minimise, in float32 (float64 if logp is float64), and the
         diagnostics documented in `moe_rl.objectives`. A token counts as clipped when its w_it is.
     """
-    check_options(clip_low, clip_high, beta, ref_logp, extreme_band)
+    check_options(clip_low, clip_high, beta, ref_logp, extreme_band, extreme_weight_band)
     check_corrections(mask, kl_estimator, clip_ratio_c, sampler_logp, rollout_is, rollout_is_cap)
     aggregate = aggregation(loss_agg, max_len)
     logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT = prepare(logp, old_logp, advantages, mask, ref_logp)
     adv_BT = adv if adv.dim() == 2 else torch.where(mask_BT, adv[:, None], 0.0)
 
-    w_BT = torch.exp((logp_BT - old_logp_BT).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    d_BT = logp_BT - old_logp_BT
+    w_BT = torch.exp(d_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     is_BT, is_metrics = rollout_is_weight(old_logp_BT, sampler_logp, mask_BT, rollout_is, rollout_is_cap)
     loss_BT = clipped_surrogate(w_BT, adv_BT, clip_low, clip_high, clip_ratio_c)
     loss_BT = torch.where(mask_BT, loss_BT * is_BT, 0.0)
     kl, kl_metrics = kl_penalty(logp_BT, ref_logp_BT, mask_BT, beta, aggregate, kl_estimator)
     loss = aggregate(loss_BT, mask_BT) + kl
 
+    # Gradient-carrying tokens: those whose w_it ∇logp_it term no clip, cap or clamp zeroes.
+    keep_BT = ppo_keep(w_BT, adv_BT, mask_BT, clip_low, clip_high, clip_ratio_c, d_BT.abs() <= LOG_RATIO_BOUND)
     metrics = {
         **clip_metrics(w_BT, adv_BT, mask_BT, clip_low, clip_high),
+        **weight_sums(w_BT, w_BT, adv_BT.abs(), keep_BT, extreme_weight_band),
         **dual_clip_metrics(w_BT, adv_BT, mask_BT, clip_ratio_c),
-        **ratio_metrics(logp_BT, old_logp_BT, mask_BT, extreme_band),
+        **ratio_metrics(logp_BT, old_logp_BT, adv_BT, mask_BT, extreme_band),
         **kl_metrics,
         **is_metrics,
     }

@@ -12,6 +12,8 @@ from torch import Tensor
 
 from moe_rl.objectives.common import (
     DEFAULT_EXTREME_BAND,
+    DEFAULT_EXTREME_WEIGHT_BAND,
+    LOG_RATIO_BOUND,
     SEQ_MEAN_TOKEN_MEAN,
     check_corrections,
     check_options,
@@ -19,12 +21,15 @@ from moe_rl.objectives.common import (
     clipped_surrogate,
     dual_clip_metrics,
     kl_penalty,
+    ppo_keep,
     prepare,
     ratio_metrics,
     rollout_is_weight,
+    seq_kept_adv,
     seq_log_ratio,
     seq_mean,
     seq_mean_token_mean,
+    weight_sums,
 )
 
 
@@ -51,6 +56,7 @@ def gspo(
     sampler_logp: Tensor | None = None,
     rollout_is: str = "none",
     rollout_is_cap: float = 2.0,
+    extreme_weight_band: tuple[float, float] = DEFAULT_EXTREME_WEIGHT_BAND,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO loss with the sequence-level importance ratio s_i.
 
@@ -75,11 +81,12 @@ def gspo(
         beta, ref_logp: k3 KL penalty to π_ref ([B, T]), required when beta > 0; 0 in the paper.
         extreme_band: `ratio/token/extreme_frac` counts token ratios outside this interval.
         kl_estimator, clip_ratio_c, sampler_logp, rollout_is, rollout_is_cap: as in `grpo`.
+        extreme_weight_band: `policy/extreme_weight_share` counts s_i outside this interval as extreme.
 
     Returns:
         (loss, metrics): a scalar to minimise and the diagnostics documented in `moe_rl.objectives`.
     """
-    check_options(clip_low, clip_high, beta, ref_logp, extreme_band)
+    check_options(clip_low, clip_high, beta, ref_logp, extreme_band, extreme_weight_band)
     check_corrections(mask, kl_estimator, clip_ratio_c, sampler_logp, rollout_is, rollout_is_cap)
     _check_loss_agg("gspo", loss_agg)
     if advantages.dim() != 1:
@@ -95,10 +102,15 @@ def gspo(
     loss = seq_mean(loss_B * is_B, mask_BT) + kl
 
     s_BT, adv_BT = s_B[:, None].expand_as(logp_BT), adv_B[:, None].expand_as(logp_BT)
+    # A sequence carries gradient s_i Â_i ∇log s_i unless its clip, cap or log-ratio clamp zeroes it.
+    mean_d_BT = ((logp_BT - old_logp_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1))[:, None].expand_as(logp_BT)
+    keep_BT = ppo_keep(s_BT, adv_BT, mask_BT, clip_low, clip_high, clip_ratio_c,
+                       mean_d_BT.abs() <= LOG_RATIO_BOUND)
     metrics = {
         **clip_metrics(s_BT, adv_BT, mask_BT, clip_low, clip_high),
+        **weight_sums(s_B, s_B, seq_kept_adv(adv_BT, keep_BT, mask_BT), mask_BT.any(-1), extreme_weight_band),
         **dual_clip_metrics(s_BT, adv_BT, mask_BT, clip_ratio_c),
-        **ratio_metrics(logp_BT, old_logp_BT, mask_BT, extreme_band),
+        **ratio_metrics(logp_BT, old_logp_BT, adv_BT, mask_BT, extreme_band),
         **kl_metrics,
         **is_metrics,
     }
@@ -123,6 +135,7 @@ def gspo_token(
     sampler_logp: Tensor | None = None,
     rollout_is: str = "none",
     rollout_is_cap: float = 2.0,
+    extreme_weight_band: tuple[float, float] = DEFAULT_EXTREME_WEIGHT_BAND,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO-token loss: GRPO's shape with the ratio s_it, for per-token advantages (multi-turn RL).
 
@@ -136,7 +149,8 @@ def gspo_token(
     passes no gradient while here the token term still does (scaled by the clamped s_i).
 
     Args:
-        logp, old_logp, mask, clip_low, clip_high, beta, ref_logp, extreme_band: as in `gspo`.
+        logp, old_logp, mask, clip_low, clip_high, beta, ref_logp, extreme_band, extreme_weight_band:
+            as in `gspo`.
         advantages: [B] per sequence (broadcast over its tokens) or [B, T] per token.
         loss_agg: must be "seq-mean-token-mean". max_len: unused (accepted for a shared signature).
         kl_estimator, clip_ratio_c, sampler_logp, rollout_is, rollout_is_cap: as in `grpo`.
@@ -145,7 +159,7 @@ def gspo_token(
         (loss, metrics): a scalar to minimise and the diagnostics documented in `moe_rl.objectives`;
         a token counts as clipped when its (s_it, Â_it) pair is.
     """
-    check_options(clip_low, clip_high, beta, ref_logp, extreme_band)
+    check_options(clip_low, clip_high, beta, ref_logp, extreme_band, extreme_weight_band)
     check_corrections(mask, kl_estimator, clip_ratio_c, sampler_logp, rollout_is, rollout_is_cap)
     _check_loss_agg("gspo_token", loss_agg)
     logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT = prepare(logp, old_logp, advantages, mask, ref_logp)
@@ -159,10 +173,13 @@ def gspo_token(
     kl, kl_metrics = kl_penalty(logp_BT, ref_logp_BT, mask_BT, beta, seq_mean_token_mean, kl_estimator)
     loss = seq_mean_token_mean(loss_BT, mask_BT) + kl
 
+    # Each token carries s_i Â_it ∇logp_it unless its clip or cap zeroes it (no clamp acts on the gradient).
+    keep_BT = ppo_keep(s_BT, adv_BT, mask_BT, clip_low, clip_high, clip_ratio_c, mask_BT)
     metrics = {
         **clip_metrics(s_BT, adv_BT, mask_BT, clip_low, clip_high),
+        **weight_sums(s_B, s_B, seq_kept_adv(adv_BT, keep_BT, mask_BT), mask_BT.any(-1), extreme_weight_band),
         **dual_clip_metrics(s_BT, adv_BT, mask_BT, clip_ratio_c),
-        **ratio_metrics(logp_BT, old_logp_BT, mask_BT, extreme_band),
+        **ratio_metrics(logp_BT, old_logp_BT, adv_BT, mask_BT, extreme_band),
         **kl_metrics,
         **is_metrics,
     }

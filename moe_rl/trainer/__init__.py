@@ -5,8 +5,10 @@ Metrics logged every step (to metrics.jsonl and W&B). Under data parallelism (to
 metric is first reduced over ranks (`reduce_metric` in distributed.py), so one process and W processes
 log the same quantity:
 - rollout statistics are computed from all ranks' rows;
-- `*/max` and `time/*`: the maximum over ranks; `*/min`: the minimum;
-- `throughput/*` and `routing/replay_cache_bytes`: the sum;
+- `*/max` and `time/*`: the maximum over ranks; `*/min`: the minimum (both skip a rank's NaN, a rank
+  with no such entry);
+- `throughput/*`, `routing/replay_cache_bytes` and `*/sum`: the sum (`*/sum` also over the step's
+  mini-batches, so a quotient of two of them is exact over all ranks and mini-batches);
 - other means: weighted by each rank's response tokens (`TOKEN_MEANS`: the clip and ratio means),
   valid positions (`POSITION_MEANS`, and expert change, reduced per mini-batch) or rows (the rest);
 - variances and `routing/load_cv/mean`: the weighted mean of the ranks' values, not the global statistic;
@@ -24,7 +26,10 @@ finite metrics of the last step.
 | `rollout/accuracy` | fraction of completions with reward 1 |
 | `rollout/response_len/mean` | response tokens (EOS included) |
 | `rollout/entropy/mean` | mean entropy (nats) of the sampler's token distributions softmax(logits / T) |
-| `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches; `clip/dual_frac` only with `objective.clip_ratio_c` |
+| `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches (`*/sum` summed); `clip/dual_frac` only with `objective.clip_ratio_c` |
+| `policy/grad_weight/sum`, `policy/extreme_grad_weight/sum` | Σ g·\\|Â\\| over the entries whose gradient no clip zeroes (tokens for grpo and cispo, sequences for gspo, gspo_token and gmpo; g the objective's weight on Â ∇logp), and the same over entries whose ratio lies outside `objective.extreme_weight_band` (default [0.1, 10]); summed over ranks and mini-batches. Definitions per objective in moe_rl.objectives |
+| `policy/extreme_weight_share` | `policy/extreme_grad_weight/sum` / `policy/grad_weight/sum` of the whole step: the share of the gradient weight Σ\\|w_it·Â_i\\| (grpo; Σ\\|s_i·Â_i\\| over unclipped sequences for gspo, gspo_token, gmpo) that extreme ratios carry; cispo drops no token's gradient, so its share is over every token, weighted by its truncated weight. NaN when no gradient-carrying weight is left. Not scaled by the rollout IS weight or the aggregation's 1/\\|y_i\\| |
+| `ratio/token/{pos,neg}_adv/{max,min}`, `ratio/seq/{pos,neg}_adv/{max,min}` | max and min of r_it (s_i) over valid tokens with Â > 0 (`pos_adv`) or Â < 0 (`neg_adv`), mean over mini-batches; NaN when a step has no token of that sign. The collapse detector reads them over all mini-batches to say which side of a `ratio_blowup` carries gradient |
 | `rollout_is/mean`, `rollout_is/max`, `rollout_is/clipped_frac`, `rollout_is/masked_frac` | with `objective.rollout_is` only: the sampler correction ρ = π_old / π_sampler before truncation (mean, max) and the fraction of tokens truncated (`*_truncate`) or masked (`*_mask`); formulas in moe_rl.objectives |
 | `length/<lo>-<hi>/token_var` | ratios by response length within one step and one policy: over the sequences of mini-batches 2..M (every rank) whose response has n_i tokens (EOS included) with lo ≤ n_i ≤ hi, the population variance of their token ratios r_it (moe_rl.objectives notation), 1/N_bin Σ (r_it − mean r)², pooled over those mini-batches. Bins are fixed: `1-4`, `5-8`, `9-16`, `17-32`, ... up to the one holding `sampler.max_new_tokens` (`objectives.common.length_bins`), so keys never change within a run |
 | `length/<lo>-<hi>/within_seq_var` | the same sequences with n_i ≥ 2: mean over them of 1/n_i Σ_t (r_it − mean_t r_it)² |
@@ -54,6 +59,7 @@ finite metrics of the last step.
 | `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens, where the old-policy log-probs are those the objective uses as π_old, under the arm's replay (R3 replays the sampler's routing there; 0 by construction with `trainer.reuse_sampler_logp`) |
 | `collapse/events`, `collapse/new_events` | collapse events so far, and those of this step (see collapse.py; at most one `nonfinite` event per step, its `detail` counting the mini-batches with a non-finite `train/loss` or `train/grad_norm`) |
 | `collapse/kind/{kind}` | collapse events of each kind so far (`nonfinite`, `reward_collapse`, `entropy_collapse`, `ratio_blowup`; 0 until one fires) |
+| `collapse/ratio_blowup/{side}_{sign}_adv` | `ratio_blowup` events so far in which the side (`high`: ratio > `collapse.ratio_max`; `low`: < 1 / ratio_max) crossed on entries with that advantage sign (`pos`, `neg`); `high_neg_adv` is the case whose gradient is large under a PPO clip (collapse.py) |
 | `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages (`time/old_forward_s` is ~0 with `trainer.reuse_sampler_logp`) |
 | `throughput/tokens_per_s` | (prompt + response tokens of the batch) / step seconds |
 | `throughput/sampler_tokens_per_s` | response tokens sampled / rollout seconds |

@@ -274,15 +274,15 @@ POSITION_MEANS = frozenset({"routing/entropy/mean", "routing/rollout_vs_old/frac
 
 
 def reduce_metric(key: str, values: list[float], counts: list[dict[str, float]]) -> float:
-    """One metric over ranks: max for `*/max` and `time/*`, min for `*/min`, sum for throughputs and byte
-    counts; else the mean, weighted by each rank's tokens (TOKEN_MEANS), positions (POSITION_MEANS) or
-    rows, skipping NaN (a rank with nothing to average). Means over tokens, positions or rows come out
-    exactly as one process computes them; variances and the load CV are the weighted mean of the ranks'."""
-    if key.endswith("/max") or key.startswith("time/"):
-        return max(values)
-    if key.endswith("/min"):
-        return min(values)
-    if key.startswith("throughput/") or key.endswith("_bytes"):
+    """One metric over ranks: max for `*/max` and `time/*`, min for `*/min` (both skipping NaN, a rank with
+    no such entry), sum for `*/sum`, throughputs and byte counts; else the mean, weighted by each rank's
+    tokens (TOKEN_MEANS), positions (POSITION_MEANS) or rows, skipping NaN (a rank with nothing to
+    average). Means over tokens, positions or rows come out exactly as one process computes them;
+    variances and the load CV are the weighted mean of the ranks'."""
+    if key.endswith(("/max", "/min")) or key.startswith("time/"):
+        finite = [v for v in values if not math.isnan(v)]
+        return (min if key.endswith("/min") else max)(finite) if finite else math.nan
+    if key.startswith("throughput/") or key.endswith(("_bytes", "/sum")):
         return sum(values)
     unit = "tokens" if key in TOKEN_MEANS else "positions" if key in POSITION_MEANS else "rows"
     pairs = [(c[unit], v) for c, v in zip(counts, values, strict=True) if not math.isnan(v)]

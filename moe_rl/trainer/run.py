@@ -38,7 +38,7 @@ from moe_rl.trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from moe_rl.trainer.collapse import CollapseDetector, counts_by_kind
+from moe_rl.trainer.collapse import CollapseDetector, blowup_counts, counts_by_kind
 from moe_rl.trainer.distributed import (
     Dist,
     check_world,
@@ -280,6 +280,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     for step in bar:
         metrics = rl_step(ctx, step)
         metrics.update(counts_by_kind(ctx.detector.events))
+        metrics.update(blowup_counts(ctx.detector.events))
         steps_done = step + 1
         new = [e for e in ctx.detector.events if e.step == step]
         last = step + 1 == cfg.trainer.steps

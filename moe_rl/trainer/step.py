@@ -56,6 +56,8 @@ from moe_rl.trainer.step_metrics import (
     finite_mean,
     margin_metrics,
     minibatch_overlap,
+    over_minibatches,
+    ratio_extremes,
     response_margins,
     rollout_metrics,
     routing_metrics,
@@ -290,6 +292,7 @@ def _objective(
         sampler_logp=batch.sampler_logp_BR[sl],
         rollout_is=o.rollout_is,
         rollout_is_cap=o.rollout_is_cap,
+        extreme_weight_band=tuple(o.extreme_weight_band),
     )
 
 
@@ -419,12 +422,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     )
     margins = response_margins(old_trace, _response_positions(batch, slice(None)), ctx.controller.top_k)
     metrics, per_mb = _reduced_metrics(ctx, roll, rewards_B, batch, slices, per_mb, changes, local, margins)
-    extremes = {
-        f"ratio/{level}/{ext}": fn(m[f"ratio/{level}/{ext}"] for m in per_mb)
-        for level in ("token", "seq")
-        for ext, fn in (("max", max), ("min", min))
-    }
-    ctx.detector.observe(step, {**metrics, **extremes})
+    ctx.detector.observe(step, {**metrics, **ratio_extremes(per_mb)})
     metrics["collapse/events"] = float(len(ctx.detector.events))
     metrics["collapse/new_events"] = float(sum(1 for e in ctx.detector.events if e.step == step))
     return metrics
@@ -463,8 +461,7 @@ def _reduced_metrics(
     M = len(slices)
     mb_counts = [[r["mb_counts"][j] for r in ranks] for j in range(M)]
     per_mb = [reduce_metrics([r["per_mb"][j] for r in ranks], mb_counts[j]) for j in range(M)]
-    for key in per_mb[0]:
-        metrics[key] = finite_mean([m[key] for m in per_mb])
+    metrics.update(over_minibatches(per_mb))
     metrics["train/lr"] = ctx.scheduler.get_last_lr()[0]
     # Each mini-batch's expert change over all ranks: per layer a mean over valid positions, over the
     # response a mean over response tokens.
