@@ -81,6 +81,13 @@ CHANGE = Panel(
 CHANGE_RESPONSE = Panel("expert change over response tokens", ("routing/expert_change/response_frac",))
 CHANGE_LAYERS = Panel("expert change per layer", regex=r"^routing/expert_change/layer_\d+$")
 ROLLOUT_VS_OLD = Panel("routing disagreement: rollout vs old policy", ("routing/rollout_vs_old/frac",))
+MARGINS = Panel("router margins z_(k) - z_(k+1) (old policy)", ("routing/margin/median", "routing/margin/p10"), log_y=True)
+PREDICTED = Panel(
+    "expert change after one update: measured vs predicted by the margins",
+    ("routing/expert_change/after_one_update", "routing/margin/predicted_change"),
+    log_y=True,
+)
+LOGIT_SHIFT = Panel("router-logit shift of one update", ("routing/logit_shift/after_one_update",), log_y=True)
 LOGP_DIFF = Panel("log-prob difference: sampler vs old policy", ("mismatch/logp_abs_diff/mean",), log_y=True)
 EVENTS_BY_KIND = Panel("collapse events by kind", regex=r"^collapse/kind/\w+$")
 EVENTS = Panel("collapse events", ("collapse/events",))
@@ -101,7 +108,8 @@ SECTIONS = (
     Section("clipping", (CLIP_TOKEN, CLIP_SEQ, CLIP_SIDES, KL, OVERLAP)),
     Section("ratios", (TOKEN_VAR, WITHIN_SEQ_VAR, SEQ_VAR, EXTREMES, SEQ_EXTREMES, EXTREME_FRAC, LENGTH_TOKEN_VAR,
                        LENGTH_SEQ_VAR)),
-    Section("routing volatility", (CHANGE, CHANGE_RESPONSE, CHANGE_LAYERS, ROLLOUT_VS_OLD)),
+    Section("routing volatility", (CHANGE, CHANGE_RESPONSE, CHANGE_LAYERS, ROLLOUT_VS_OLD, MARGINS, PREDICTED,
+                                   LOGIT_SHIFT)),
     Section("mismatch", (LOGP_DIFF, ROLLOUT_VS_OLD)),
     Section("collapse", (EVENTS_BY_KIND, EVENTS, ENTROPY)),
     Section("time and throughput", (STAGES, THROUGHPUT)),
