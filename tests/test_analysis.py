@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from scipy import stats as sps
 
 from analysis.cli import main as analyze_main
 from analysis.load import group_runs, load_local, load_wandb, read_local_run, run_from_wandb, varying_fields
@@ -222,14 +223,25 @@ def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagra
     assert low["vs_reference"]["acc"].diff == pytest.approx(0.0, abs=1e-12)
     assert low["vs_reference"]["acc verdict"].startswith("not distinguishable")
     assert high["vs_reference"]["acc"].test == "paired t-test"
-    slope = dose_trend(group_runs(runs))["grpo (replay=off)"]
-    assert slope.diff == pytest.approx(-0.30 / (0.12 - 0.005) * 0.1) and slope.hi < 0 and slope.n_a == 10
+    trend = dose_trend(group_runs(runs))["grpo (replay=off)"]
+    assert set(trend) == {"final eval acc"}  # no run logged eval/expected_accuracy
+    slope, per_seed = trend["final eval acc"]["slope"], trend["final eval acc"]["per_seed"]
+    # One slope per seed (its two doses), then a one-sample t over the 5 seeds, not an OLS over 10 runs.
+    hand = {s: ((0.30 + 0.01 * (2 * s % 5)) - (0.60 + 0.01 * (3 * s % 5))) / (1.2 - 0.05) for s in range(5)}
+    assert per_seed == pytest.approx(hand, rel=1e-9)
+    assert slope.diff == pytest.approx(-0.30 / (0.12 - 0.005) * 0.1) and slope.hi < 0 and slope.n_a == 5
+    assert slope.p == pytest.approx(sps.ttest_1samp(list(hand.values()), 0.0).pvalue, rel=1e-9)
     out = tmp_path / "report"
     text = write_report(runs, out, "drift", [str(root)], permutations=1000).read_text()
     assert "## Drift dose-response" in text and "(any: replay wins)" in text
     assert (out / "phase_diagram.png").read_bytes()[:8] == PNG_MAGIC
     assert "phase_diagram.png" in text and (out / "dose_table.md").exists()
-    assert len(json.loads((out / "table.json").read_text())["dose"]) == 3
+    saved = json.loads((out / "table.json").read_text())
+    assert len(saved["dose"]) == 3
+    assert saved["dose"][1]["per_seed"]["seed"] == [0, 1, 2, 3, 4]
+    assert saved["dose"][1]["per_seed"]["final eval acc"] == pytest.approx([0.30 + 0.01 * (2 * s % 5) for s in range(5)])
+    assert saved["dose_trend"]["grpo (replay=off)"]["final eval acc"]["per_seed"] == pytest.approx(
+        {str(k): v for k, v in hand.items()}, rel=1e-9)
 
 
 def test_cli_needs_exactly_one_source(tmp_path):
