@@ -403,3 +403,34 @@ def test_length_variance_figure_from_handwritten_runs(tmp_path, hand_sweep):
                                       for row in r.rows], r.events, r.source) for r in runs]
                for label, runs in groups.items()}  # fmt: skip
     assert plot_length_variance(one_bin, tmp_path) is None
+
+
+def test_drift_report_adds_expected_accuracy_auc_regression_and_per_seed_trend(tmp_path):
+    """With eval/expected_accuracy logged, the dose table adds each cell's AUC, its paired difference to the
+    replay arm and a log-rank test of time to regression; the trend gets a per-seed AUC slope."""
+    from analysis.drift import dose_table, dose_trend, format_dose
+    from analysis.outcomes import auc
+
+    root = tmp_path / "sweep"
+    for seed in range(5):
+        for preset, drift, final in (("grpo_rr", 0.0, 0.6), ("grpo", 0.0, 0.6), ("grpo", 0.2, 0.2)):
+            _drift_run(root, preset, seed, drift, 0.5, 0.005 if drift == 0 else 0.12, 0)
+            folder = root / f"{preset}-{drift}-{seed}"
+            rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+            rows[0]["eval/initial/expected_accuracy"] = 0.5
+            rows[0]["eval/expected_accuracy"], rows[1]["eval/expected_accuracy"] = final + 0.01 * seed, final
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    groups = group_runs(load_local([root], progress=False))
+    low, high, ref = dose_table(groups, permutations=100)
+    hand_auc = [(0.5 * (0.5 + 0.2 + 0.01 * s) + 0.5 * (0.4 + 0.01 * s)) / 2 for s in range(5)]
+    assert high["per_seed"]["expected-acc AUC"] == pytest.approx(hand_auc, rel=1e-12)
+    assert high["expected-acc AUC"].mean == pytest.approx(np.mean(hand_auc), rel=1e-12)
+    assert high["vs_reference"]["auc"].diff == pytest.approx(np.mean(hand_auc) - np.mean(
+        [auc(r) for r in groups["grpo_rr (replay=old) drift=0"]]), rel=1e-9)
+    reg = high["vs_reference"]["regression"]
+    assert (reg["regressed_a"], reg["n_a"], reg["regressed_b"], reg["n_b"]) == (5, 5, 0, 5) and reg["p"] < 0.05
+    assert low["vs_reference"]["regression"]["regressed_a"] == 0
+    trend = dose_trend(groups)["grpo (replay=off)"]["expected-acc AUC"]
+    assert trend["slope"].n_a == 5 and trend["slope"].diff < 0
+    text = format_dose([low, high, ref])
+    assert "| expected-acc AUC | Δ AUC |" in text and "regressed 5/5 vs 0/5" in text
