@@ -20,6 +20,7 @@ time: the comparisons leave them out and say "n/a" when no run has them.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -134,3 +135,34 @@ def format_outcomes(table: dict[str, dict[str, Any]]) -> str:
         f"run's mean expected accuracy; mean ± 95% CI over seeds. Sustained regression: below {REGRESSION_FRAC:g} x "
         f"the pre-update value at {SUSTAINED} evals in a row (n/a without a pre-update eval)."
     )
+
+
+CAPTION = (
+    "Teacher-forced expected accuracy (`eval/expected_accuracy`) against updates done, the pre-update eval "
+    f"at 0; the dotted line of each color is {REGRESSION_FRAC:g} x that group's mean pre-update value."
+)
+
+
+def plot_expected_accuracy(groups: dict[str, list[Run]], out_dir: Path) -> Path:
+    """Mean expected-accuracy curve over seeds with its 95% t band per group, against updates done."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from analysis.figures import BAND, _band_plot, _colors, _finish, aggregate_columns
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, color in _colors(groups).items():
+        curves = [dict(zip(*expected_curve(r), strict=True)) for r in groups[label]]
+        x = np.array(sorted(set().union(*curves)), dtype=np.float64)
+        if x.size == 0:
+            continue
+        values_RC = np.array([[c.get(t, np.nan) for t in x] for c in curves], dtype=np.float64)
+        _, mean, lo, hi = aggregate_columns(values_RC)
+        _band_plot(ax, x, mean, lo, hi, color, label)
+        if x[0] == 0:
+            ax.axhline(REGRESSION_FRAC * mean[0], color=color, linestyle=":", linewidth=1)
+    ax.set(xlabel="updates done (RL steps)", ylabel=KEY)
+    ax.grid(alpha=0.3)
+    return _finish(fig, [ax], out_dir / "expected_accuracy.png", f"Expected accuracy (band: {BAND})")

@@ -24,8 +24,13 @@ Collapse table: per group, the number of seeds with at least one collapse event 
 kinds (from events.jsonl; unknown for W&B runs). When config fields vary, a second table per field
 gives collapsed seeds / seeds for each value and base label.
 
+Expected accuracy over training (analysis.outcomes; only when some run logged
+`eval/expected_accuracy`): per group the mean AUC of the expected-accuracy curve with its CI, and the
+seeds with a sustained regression and when.
+
 Pairwise differences (analysis.pairs): outcome and collapse-rate differences between groups that
-differ only in objective / replay, with CIs, p-values and a verdict in words.
+differ only in objective / replay (and, with expected accuracy, the paired AUC difference and the
+log-rank test of time to regression), with CIs, p-values and a verdict in words.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from typing import Any
 from analysis import drift
 from analysis.figures import BAND, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
-from analysis.outcomes import format_outcomes, has_expected, outcomes_table
+from analysis.outcomes import CAPTION as outcomes_caption
+from analysis.outcomes import format_outcomes, has_expected, outcomes_table, plot_expected_accuracy
 from analysis.pairs import format_pairs, pairwise
 from analysis.stats import CI_NOTE, mean_ci, wilson
 from moe_rl.trainer.compare import COLUMNS, format_cell, run_row, shown_columns
@@ -161,6 +167,8 @@ def write_report(
     outcomes = outcomes_table(groups) if has_expected(runs) else {}
     pairs = pairwise(groups, fields, permutations)
     figures = write_figures(groups, out_dir, smooth=smooth)
+    if outcomes:
+        figures = {**figures, "expected_accuracy": (plot_expected_accuracy(groups, out_dir), outcomes_caption)}
     summary_md, collapse_md, pairs_md = (
         format_summary(summary),
         format_collapse(collapse),

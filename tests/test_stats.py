@@ -423,3 +423,5 @@ def test_report_table_json_keeps_per_seed_values(tmp_path):
     assert np.mean(outcomes["per_seed"]["auc"]) == pytest.approx(outcomes["auc"], rel=1e-12)
     assert saved["pairs"][0]["per_seed"]["b"]["auc"] == saved["outcomes"]["gspo (replay=off)"]["per_seed"]["auc"]
     assert "## Expected accuracy over training" in text and "| grpo (replay=off) | 3 |" in text
+    assert "![expected_accuracy](expected_accuracy.png)" in text
+    assert (tmp_path / "out" / "expected_accuracy.png").read_bytes()[:4] == b"\x89PNG"
