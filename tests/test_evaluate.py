@@ -67,8 +67,9 @@ def _overfit(tokenizer, task, examples, steps: int):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
 def test_expected_accuracy_equals_sampled_accuracy(tokenizer, temperature):
-    """With top_p = 1, each prompt's π(y* | x) equals the fraction of N = 1000 sampled responses the verifier
-    accepts, within 4.5 binomial standard errors, on arithmetic (only the canonical answer is correct)."""
+    """With top_p = 1, each prompt's π(y* | x) at the sampler's temperature equals the fraction of N = 1000
+    sampled responses the arithmetic verifier accepts, within 4.5 binomial standard errors (its other
+    accepted forms, padded or zero-led, get no visible mass from a policy trained on canonical answers)."""
     task = make_task("arithmetic", 2)
     examples = task.examples("train", 4, seed=1)
     model = _overfit(tokenizer, task, examples, steps=8)

@@ -455,6 +455,7 @@ def test_reuse_sampler_logp_skips_old_forward_and_matches_it():
 def test_every_experiment_runs_two_steps(tmp_path, name):
     """Every experiment config composes and runs two RL steps at a tiny size."""
     tiny = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.mini_batches=2",
-            "model.num_layers=1", "logger.progress=false", "logger.wandb=false", "warmstart.enabled=false", "eval.size=8"]
+            "model.num_layers=1", "logger.progress=false", "logger.wandb=false", "warmstart.enabled=false", "eval.size=8",
+            "eval.expected_size=8"]
     summary = train(compose_config([f"+experiment={name}", *tiny]), tmp_path / name)
     assert summary["steps_done"] == 2 and summary["experiment"] == name.split("__")[0]

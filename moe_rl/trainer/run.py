@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import gc
 import math
 import time
@@ -277,8 +278,8 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     steps_done = start
     eval_examples = ctx.task.examples("eval", cfg.eval.prompts_needed, cfg.eval.seed)
     eval_prompts = [ctx.prompt(ex.prompt) for ex in eval_examples]
-    evaluation = lambda: evaluate(  # noqa: E731
-        ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, cfg.eval
+    evaluation = functools.partial(
+        evaluate, ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, cfg.eval
     )
     # Before the first update, in step 0's row. A resumed run (start > 0) kept that row: not repeated.
     initial = initial_metrics(evaluation()) if start == 0 and cfg.eval.enabled and cfg.eval.at_start else {}
