@@ -122,14 +122,18 @@ QUANTITIES = ("expert change", "final eval acc", "token-ratio var", "clip frac",
 
 def _one_per_seed(runs: list[Run]) -> list[Run]:
     """The first run of each seed: the reference's runs at every p are the same run (replay wins)."""
-    return list({r.seed: r for r in reversed(runs)}.values())
+    first: dict[int, Run] = {}
+    for run in runs:
+        first.setdefault(run.seed, run)
+    return list(first.values())
 
 
 def dose_trend(groups: Groups) -> dict[str, dict[str, dict[str, Any]]]:
     """Per drifting arm and outcome ("final eval acc", and "expected-acc AUC" where logged): the mean over
     seeds of each seed's slope of (outcome - the reference's, same seed) on measured expert change, per 10
     percentage points, with a one-sample t-test over those slopes: {"slope": Difference (n = seeds),
-    "per_seed": {seed: slope}}. Only seeds the reference ran count."""
+    "per_seed": {seed: slope}}. Only seeds the reference ran count. Subtracting the reference shifts a
+    seed's points without changing its slope; it keeps the y axis that of the dose table's differences."""
     arms: dict[str, list[Run]] = {}
     for runs in groups.values():
         arms.setdefault(runs[0].base_label, []).extend(runs)

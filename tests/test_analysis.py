@@ -297,6 +297,7 @@ def _independent_table(sweep: Path) -> dict[str, dict[str, list[float]]]:
             "token-ratio var": mean([r["ratio/token/var"] for r in rows]),
             "expert change": mean([r["routing/expert_change/response_frac"] for r in rows]),
             "collapse events": float(rows[-1]["collapse/events"]),
+            "final expected acc": [r["eval/expected_accuracy"] for r in rows if "eval/expected_accuracy" in r][-1],
             "seed": config["seed"],
         }
         for key, value in per_run.items():
@@ -309,7 +310,8 @@ def test_real_sweep_figures_are_pngs_linked_from_report(real_sweep):
     _, out = real_sweep
     text = (out / "report.md").read_text()
     assert text.startswith("# tiny sweep")
-    drawn = FIGURES | {"eval_accuracy.png", "clip_vs_kl.png"}  # real runs log eval and approx_kl
+    # Real runs log eval (with expected accuracy, before the first update too) and approx_kl.
+    drawn = FIGURES | {"eval_accuracy.png", "clip_vs_kl.png", "expected_accuracy.png"}
     assert {p.name for p in out.glob("*.png")} == drawn
     links = set(re.findall(r"\]\(([^)]+)\)", text))
     assert links == drawn | {"table.json"}
@@ -335,7 +337,8 @@ def test_real_sweep_table_equals_metrics_recomputed(real_sweep):
                 "|"
             )
         ]
-        for column in ["final reward", "clip frac", "token-ratio var", "expert change", "collapse events"]:
+        for column in ["final reward", "clip frac", "token-ratio var", "expert change", "collapse events",
+                       "final expected acc"]:
             value = sum(columns[column]) / len(columns[column])
             assert got[label][column] == pytest.approx(value, rel=1e-12, abs=0), (label, column)
             assert cells[header.index(column)].startswith(f"{value:.4g} ± "), (label, column)
