@@ -65,14 +65,18 @@ def _overfit(tokenizer, task, examples, steps: int):
     return model.eval()
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.8])
-def test_expected_accuracy_equals_sampled_accuracy(tokenizer, temperature):
+@pytest.mark.parametrize(
+    "task_name,difficulty,steps,temperature",
+    [("arithmetic", 2, 8, 1.0), ("sort", 3, 16, 1.0), pytest.param("arithmetic", 2, 8, 0.8, marks=pytest.mark.slow)],
+)
+def test_expected_accuracy_equals_sampled_accuracy(tokenizer, task_name, difficulty, steps, temperature):
     """With top_p = 1, each prompt's π(y* | x) at the sampler's temperature equals the fraction of N = 1000
-    sampled responses the arithmetic verifier accepts, within 4.5 binomial standard errors (its other
-    accepted forms, padded or zero-led, get no visible mass from a policy trained on canonical answers)."""
-    task = make_task("arithmetic", 2)
+    sampled responses the verifier accepts, within 4.5 binomial standard errors, on arithmetic and sort (the
+    verifiers' other accepted forms, padded or zero-led, get no visible mass from a policy trained on
+    canonical answers)."""
+    task = make_task(task_name, difficulty)
     examples = task.examples("train", 4, seed=1)
-    model = _overfit(tokenizer, task, examples, steps=8)
+    model = _overfit(tokenizer, task, examples, steps=steps)
     prompts = [e.prompt for e in examples]
     p_B = answer_logprobs(model, tokenizer, task, prompts, examples, temperature, 8).exp()
     assert ((p_B > 0.05) & (p_B < 0.95)).sum() >= 2, p_B  # the check has power: not all 0 or 1
