@@ -13,8 +13,10 @@ row of RL step s at s + 1.
 Across two arms: the AUC difference a - b, paired by seed when both ran the same seeds (paired t, else
 Welch; analysis.pairs.outcome_difference), and the log-rank test of time to regression
 (analysis.stats.logrank; it treats the arms' runs as independent samples, ignoring the pairing by seed).
-Runs that predate `eval/expected_accuracy` (or ran without `eval.at_start`) have no AUC or regression
-time: the comparisons leave them out and say "n/a" when no run has them.
+Runs that predate `eval/expected_accuracy` have neither: the comparisons leave them out, and leave the
+rows out when no run has them. A run without a pre-update eval (`eval.at_start=false`) has an AUC over
+its own evals but no regression time. A run stopped early (`collapse.stop_on_collapse`) averages over
+its shorter span: compare AUCs of runs with equal spans.
 """
 
 from __future__ import annotations
