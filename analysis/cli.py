@@ -7,7 +7,9 @@
 
 Writes OUT/report.md (open it in any markdown viewer), OUT/*.png, OUT/summary_table.md,
 OUT/collapse_table.md, OUT/pairs_table.md and OUT/table.json. Tables give mean ± 95% CI over seeds
-(Student t); pairs of objectives get Welch t and permutation tests (analysis.pairs). Without a tty
+(Student t); pairs of objectives get paired or Welch t and permutation tests, and, for runs with
+`eval/expected_accuracy`, the paired AUC difference and a log-rank test of time to regression
+(analysis.pairs, analysis.outcomes). table.json keeps every seed's values. Without a tty
 (or with --no-progress) no progress bar.
 """
 

@@ -17,10 +17,16 @@ compares each drifting arm at each p with the first replay arm (the reference): 
 difference, paired by seed when both cells ran the same seeds (a seed's warm start and eval set are
 shared by every arm, so pairing removes the between-seed spread; `paired_t`), else Welch's; the
 collapse-rate difference with its Newcombe CI and permutation p-value; a verdict in words
-(analysis.stats.verdict). The dose trend is the least-squares slope of those per-seed accuracy
-differences on the run's measured expert change, over all of an arm's runs (`ols_slope`), per 10
-percentage points of change. The phase diagram draws the reference as a horizontal band across the
-whole x range.
+(analysis.stats.verdict). Where runs logged `eval/expected_accuracy` (analysis.outcomes), the table adds
+each cell's expected-accuracy AUC, its paired difference to the reference, and the log-rank test of
+time to sustained regression against the reference's runs (one per seed).
+
+The dose trend: within each seed, the least-squares slope of the outcome (final eval accuracy minus
+the reference's at that seed; and the expected-acc AUC, where logged) on the run's measured expert
+change, per 10 percentage points of change; then a one-sample t-test over the seeds' slopes
+(`slope_over_seeds`). A seed's runs share its warm start, eval set and reference, so they are not
+independent: the seed, not the run, is the unit. The phase diagram draws the reference as a
+horizontal band across the whole x range. table.json keeps every seed's values and slopes.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ import numpy as np  # noqa: E402
 
 from analysis.figures import BAND, _colors, _finish  # noqa: E402
 from analysis.load import Run  # noqa: E402
+from analysis.outcomes import auc, format_regression, has_expected, regression_test  # noqa: E402
 from analysis.pairs import collapsed, final_eval, outcome_difference  # noqa: E402
-from analysis.stats import mean_ci, ols_slope, rate_difference, verdict, wilson  # noqa: E402
+from analysis.stats import mean_ci, rate_difference, slope_over_seeds, verdict, wilson  # noqa: E402
 from moe_rl.trainer.compare import run_row  # noqa: E402
 
 FIELD = "routing.drift"
@@ -91,15 +98,18 @@ def dose_table(groups: Groups, permutations: int = 10_000) -> list[dict[str, Any
             runs = cells[p]
             rows = [run_row(r.rows) for r in runs]
             k, n = sum(collapsed(r) for r in runs), len(runs)
+            per_seed = {
+                "seed": [r.seed for r in runs], "expert change": [x["expert change"] for x in rows],
+                "final eval acc": [final_eval(r) for r in runs], "token-ratio var": [x["token-ratio var"] for x in rows],
+                "clip frac": [x["clip frac"] for x in rows], "expected-acc AUC": [auc(r) for r in runs],
+                "collapsed": [collapsed(r) for r in runs],
+            }  # fmt: skip
             row = {
-                "arm": arm, "drift": p, "seeds": [r.seed for r in runs], "replay": _is_replay(runs),
-                "expert change": mean_ci([x["expert change"] for x in rows]),
-                "final eval acc": mean_ci([final_eval(r) for r in runs]),
-                "token-ratio var": mean_ci([x["token-ratio var"] for x in rows]),
-                "clip frac": mean_ci([x["clip frac"] for x in rows]),
+                "arm": arm, "drift": p, "seeds": per_seed["seed"], "replay": _is_replay(runs),
+                **{q: mean_ci(per_seed[q]) for q in QUANTITIES},
                 "collapsed": k, "collapse wilson": wilson(k, n), "kinds": _kinds(runs),
                 "outcome collapsed": _outcome_collapsed(runs),
-                "vs_reference": None,
+                "vs_reference": None, "per_seed": per_seed,
             }  # fmt: skip
             if reference is not None and arm != reference:
                 row["vs_reference"] = _versus(runs, ref_runs, permutations)
@@ -107,39 +117,78 @@ def dose_table(groups: Groups, permutations: int = 10_000) -> list[dict[str, Any
     return out
 
 
-def dose_trend(groups: Groups) -> dict[str, Any]:
-    """Per drifting arm: the slope of (final eval acc - the reference's, same seed) on measured expert
-    change, per 10 percentage points, over all the arm's runs whose seed the reference ran."""
+QUANTITIES = ("expert change", "final eval acc", "token-ratio var", "clip frac", "expected-acc AUC")
+
+
+def _one_per_seed(runs: list[Run]) -> list[Run]:
+    """The first run of each seed: the reference's runs at every p are the same run (replay wins)."""
+    first: dict[int, Run] = {}
+    for run in runs:
+        first.setdefault(run.seed, run)
+    return list(first.values())
+
+
+def dose_trend(groups: Groups) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per drifting arm and outcome ("final eval acc", and "expected-acc AUC" where logged): the mean over
+    seeds of each seed's slope of (outcome - the reference's, same seed) on measured expert change, per 10
+    percentage points, with a one-sample t-test over those slopes: {"slope": Difference (n = seeds),
+    "per_seed": {seed: slope}}. Only seeds the reference ran count. Subtracting the reference shifts a
+    seed's points without changing its slope; it keeps the y axis that of the dose table's differences."""
     arms: dict[str, list[Run]] = {}
     for runs in groups.values():
         arms.setdefault(runs[0].base_label, []).extend(runs)
     reference = next((arm for arm, runs in arms.items() if _is_replay(runs)), None)
     if reference is None:
         return {}
-    ref = {r.seed: final_eval(r) for r in arms[reference]}
+    ref_runs = _one_per_seed(arms[reference])
+    outcomes = {"final eval acc": final_eval, **({"expected-acc AUC": auc} if has_expected(ref_runs) else {})}
     out = {}
     for arm, runs in arms.items():
         if _is_replay(runs):
             continue
-        paired = [r for r in runs if r.seed in ref]
-        x = [run_row(r.rows)["expert change"] / 0.1 for r in paired]
-        out[arm] = ols_slope(x, [final_eval(r) - ref[r.seed] for r in paired])
+        out[arm] = {}
+        for name, outcome in outcomes.items():
+            ref = {r.seed: outcome(r) for r in ref_runs}
+            x: dict[int, list[float]] = {}
+            y: dict[int, list[float]] = {}
+            for r in runs:
+                if r.seed in ref:
+                    x.setdefault(r.seed, []).append(run_row(r.rows)["expert change"] / 0.1)
+                    y.setdefault(r.seed, []).append(outcome(r) - ref[r.seed])
+            slope, per_seed = slope_over_seeds(x, y)
+            out[arm][name] = {"slope": slope, "per_seed": per_seed}
     return out
 
 
-def format_trend(trend: dict[str, Any]) -> str:
-    """Markdown: one line per drifting arm."""
-    lines = ["| arm | runs | Δ eval acc per +10 points of expert change (95% CI) | p | verdict |", "|---" * 5 + "|"]
-    for arm, d in trend.items():
-        ci = f"[{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
-        lines.append(f"| {arm} | {d.n_a} | {d.diff:+.3f} {ci} | {d.p:.2g} | {_short(verdict(d))} |")
+def format_trend(trend: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Markdown: one line per drifting arm and outcome."""
+    lines = ["| arm | outcome | seeds | Δ per +10 points of expert change: mean of per-seed slopes (95% CI) | p "
+             "| verdict |", "|---" * 6 + "|"]
+    for arm, by_outcome in trend.items():
+        for name, t in by_outcome.items():
+            d = t["slope"]
+            ci = f"[{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
+            lines.append(f"| {arm} | {name} | {d.n_a} | {d.diff:+.3f} {ci} | {d.p:.2g} | {_short(verdict(d))} |")
     return "\n".join(lines)
+
+
+def trend_json(trend: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The dose trend as plain JSON values (seeds as string keys)."""
+    return {arm: {name: {"slope": dataclasses.asdict(t["slope"]), "per_seed": {str(k): v for k, v in t["per_seed"].items()}}
+                  for name, t in by_outcome.items()} for arm, by_outcome in trend.items()}  # fmt: skip
 
 
 def _versus(a: list[Run], b: list[Run], permutations: int) -> dict[str, Any]:
     acc = outcome_difference(a, b)
     rate = rate_difference([collapsed(r) for r in a], [collapsed(r) for r in b], permutations)
-    return {"acc": acc, "acc verdict": _short(verdict(acc)), "rate": rate, "rate verdict": _short(verdict(rate))}
+    out = {"acc": acc, "acc verdict": _short(verdict(acc)), "rate": rate, "rate verdict": _short(verdict(rate)),
+           "auc": None, "auc verdict": None, "regression": None}  # fmt: skip
+    if has_expected(a + b):
+        one = _one_per_seed(b)
+        out["auc"] = outcome_difference(a, one, auc)
+        out["auc verdict"] = _short(verdict(out["auc"]))
+        out["regression"] = regression_test(a, one)
+    return out
 
 
 def _short(sentence: str) -> str:
@@ -200,7 +249,28 @@ def format_dose(table: list[dict[str, Any]]) -> str:
                 f"| {r['arm']} | {r['drift']:g} | {_fmt_diff(v['acc'])} | {v['acc verdict']} "
                 f"| {_fmt_diff(v['rate'])} | {v['rate verdict']} |"
             )
-    return "\n".join(lines)
+    return "\n".join(lines + _expected_lines(table, reference))
+
+
+def _expected_lines(table: list[dict[str, Any]], reference: str) -> list[str]:
+    """The expected-accuracy outcomes per cell against the reference; none when no run logged them."""
+    if not any(r["expected-acc AUC"].n for r in table):
+        return []
+    lines = [
+        "",
+        f"Expected accuracy (analysis.outcomes): each cell's AUC (mean teacher-forced expected accuracy over "
+        f"training), its difference to **{reference}** (paired by seed), and the log-rank test of time to "
+        "sustained regression (below 0.8 x the pre-update value at two evals in a row) against the reference.",
+        "",
+        "| arm | drift p | expected-acc AUC | Δ AUC | verdict | time to regression |",
+        "|---" * 6 + "|",
+    ]
+    for r in table:
+        v = r["vs_reference"]
+        cells = ("reference", "", "") if v is None or v["auc"] is None else (
+            _fmt_diff(v["auc"]), v["auc verdict"], format_regression(v["regression"]))
+        lines.append(f"| {r['arm']} | {r['drift']:g} | {r['expected-acc AUC'].format(3)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _pct(ci) -> str:

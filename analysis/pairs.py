@@ -8,6 +8,10 @@ objective with a swept setting. For each pair (a, b), in group order:
 |---|---|---|---|
 | final eval accuracy (or final reward when some run has no held-out eval) | `eval/accuracy` of the last row that has it; else mean `rollout/reward/mean` over the last 5 steps | mean of the per-seed differences when both groups ran the same seeds (a seed's warm start and eval set are shared by every group, so pairing removes the between-seed spread), else difference of means; 95% CI | paired t when paired, else Welch's t; two-sided |
 | collapse rate | 1 if the run logged any collapse event (`collapse/events` > 0 at its last step), else 0 | difference of rates, 95% Newcombe hybrid score CI | permutation test of the rate difference, two-sided (exact when the splits number at most `permutations`, else that many seeded random splits) |
+| expected-acc AUC (runs with `eval/expected_accuracy` only) | mean expected accuracy over training (analysis.outcomes.auc) | as for the outcome: paired by seed when possible; 95% CI | paired t, else Welch |
+| time to sustained regression (same runs) | first eval below 0.8 x the pre-update expected accuracy at two evals in a row, else censored at the last eval (analysis.outcomes) | regressed seeds per arm | log-rank test (arms as independent samples) |
+
+table.json keeps, per pair, every seed's value of each outcome (`per_seed`), so any number can be re-derived.
 
 Each difference gets a sentence from analysis.stats.verdict: distinguishable from noise at 5% or not,
 or "no verdict possible" when a group has fewer than 5 seeds.
@@ -20,6 +24,7 @@ import math
 from typing import Any
 
 from analysis.load import Run
+from analysis.outcomes import REGRESSION_FRAC, auc, format_regression, has_expected, regression_test
 from analysis.stats import MIN_SEEDS, Difference, paired_t, rate_difference, verdict, welch
 from moe_rl.trainer.compare import last_value, run_row
 
@@ -70,12 +75,22 @@ def compare_pair(a: list[Run], b: list[Run], permutations: int = 10_000, seed: i
     per_seed = final_eval if use_eval else final_reward
     outcome = outcome_difference(a, b, per_seed)
     rate = rate_difference([collapsed(r) for r in a], [collapsed(r) for r in b], permutations, seed)
+    expected = has_expected(a + b)
+    quantities = {"outcome": per_seed, "collapsed": collapsed, **({"auc": auc} if expected else {})}
     return {
         "outcome": "final eval accuracy" if use_eval else "final reward",
         "outcome_diff": _row(outcome),
         "collapse_rate": {"a": sum(map(collapsed, a)) / len(a), "b": sum(map(collapsed, b)) / len(b)},
         "collapse_diff": _row(rate),
+        "auc_diff": _row(outcome_difference(a, b, auc)) if expected else None,
+        "regression": regression_test(a, b) if expected else None,
+        "per_seed": {"a": per_seed_values(a, quantities), "b": per_seed_values(b, quantities)},
     }
+
+
+def per_seed_values(runs: list[Run], quantities: dict[str, Any]) -> dict[str, list]:
+    """{"seed": [seeds], name: [quantity(run) per run, in the same order]} for table.json."""
+    return {"seed": [r.seed for r in runs], **{name: [float(fn(r)) for r in runs] for name, fn in quantities.items()}}
 
 
 def pairwise(groups: Groups, fields: list[str], permutations: int = 10_000, seed: int = 0) -> list[dict]:
@@ -105,8 +120,11 @@ def format_pairs(pairs: list[dict]) -> str:
     words = []
     for pair in pairs:
         a, b = pair["a"], pair["b"]
-        for name, key in ((pair["outcome"], "outcome_diff"), ("collapse rate", "collapse_diff")):
-            row = pair[key]
+        for name, key in ((pair["outcome"], "outcome_diff"), ("collapse rate", "collapse_diff"),
+                          ("expected-acc AUC", "auc_diff")):
+            row = pair.get(key)
+            if row is None:
+                continue
             lines.append(
                 f"| {a} | {b} | {name} | {_num(row['diff'], '+.3g')} | {_ci(row)} | {row['test']} "
                 f"| {_num(row['p'])} | {row['n_a']}, {row['n_b']} |"
@@ -114,11 +132,21 @@ def format_pairs(pairs: list[dict]) -> str:
             words.append(
                 f"- **{a}** vs **{b}**, {name}: {_num(row['diff'], '+.3g')} {_ci(row)}: {row['verdict']}."
             )
+        if pair.get("regression") is not None:
+            reg = pair["regression"]
+            lines.append(
+                f"| {a} | {b} | time to sustained regression | regressed {reg['regressed_a']}/{reg['n_a']} vs "
+                f"{reg['regressed_b']}/{reg['n_b']} | – | {reg['test']} | {_num(reg['p'])} | {reg['n_a']}, {reg['n_b']} |"
+            )
+            words.append(f"- **{a}** vs **{b}**, time to sustained regression: {format_regression(reg)}: "
+                         f"{regression_verdict(reg)}.")
     notes = (
         f"Outcome CI and p: a paired t-test over seeds when both groups ran the same seeds, else Welch's t "
         f"(unequal variances); the test column says which. Collapse rate: fraction of seeds with any collapse "
-        f"event; CI: Newcombe's hybrid score interval; p: two-sided permutation test. A verdict needs at "
-        f"least {MIN_SEEDS} seeds per group."
+        f"event; CI: Newcombe's hybrid score interval; p: two-sided permutation test. Expected-acc AUC (runs "
+        f"with `eval/expected_accuracy`): mean teacher-forced expected accuracy over training, tested as the "
+        f"outcome; time to sustained regression: first eval below {REGRESSION_FRAC:g} x the pre-update value at "
+        f"two evals in a row, censored otherwise, log-rank test. A verdict needs at least {MIN_SEEDS} seeds per group."
     )
     warn = [p for p in pairs if min(p["outcome_diff"]["n_a"], p["outcome_diff"]["n_b"]) < MIN_SEEDS]
     parts = ["\n".join(lines), notes, "\n".join(words)]
@@ -129,3 +157,8 @@ def format_pairs(pairs: list[dict]) -> str:
             "no verdict is possible for them; the numbers below only describe these seeds.",
         )
     return "\n\n".join(parts)
+
+
+def regression_verdict(reg: dict[str, Any]) -> str:
+    """analysis.stats.verdict for a log-rank result (regression_test's dict)."""
+    return verdict(Difference(math.nan, math.nan, math.nan, reg["p"], reg["n_a"], reg["n_b"], reg["test"]))

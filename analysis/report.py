@@ -8,21 +8,29 @@ per-run value that `moe-rl-compare` computes (moe_rl.trainer.compare.run_row):
 |---|---|
 | final reward | mean of `rollout/reward/mean` over the last 5 steps |
 | final eval acc | `eval/accuracy` of the last row that has it (left out when no run has held-out eval) |
+| final expected acc | `eval/expected_accuracy` of the last row that has it (left out when no run has it) |
 | clip frac | mean over steps of `clip/token_frac` |
 | token-ratio var | mean over steps of `ratio/token/var` |
 | expert change | mean over steps of `routing/expert_change/response_frac` (over response positions; `frac` for older runs) |
 | collapse events | `collapse/events` at the run's last step |
 
 Non-finite values are left out of every mean (and of n). table.json holds the same numbers at full
-precision: per group the mean of each column, its CI half-width under "ci95" and its n under "n".
+precision: per group the mean of each column, its CI half-width under "ci95", its n under "n", and
+every seed's value under "per_seed" ({"seed": [...], column: [...]}, aligned), as every table in
+table.json does, so any number can be re-derived per seed.
 
 Collapse table: per group, the number of seeds with at least one collapse event (from the metrics'
 `collapse/events`), their fraction with its 95% Wilson score interval, the total events and their
 kinds (from events.jsonl; unknown for W&B runs). When config fields vary, a second table per field
 gives collapsed seeds / seeds for each value and base label.
 
+Expected accuracy over training (analysis.outcomes; only when some run logged
+`eval/expected_accuracy`): per group the mean AUC of the expected-accuracy curve with its CI, and the
+seeds with a sustained regression and when.
+
 Pairwise differences (analysis.pairs): outcome and collapse-rate differences between groups that
-differ only in objective / replay, with CIs, p-values and a verdict in words.
+differ only in objective / replay (and, with expected accuracy, the paired AUC difference and the
+log-rank test of time to regression), with CIs, p-values and a verdict in words.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from typing import Any
 from analysis import drift
 from analysis.figures import BAND, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
+from analysis.outcomes import CAPTION as outcomes_caption
+from analysis.outcomes import format_outcomes, has_expected, outcomes_table, plot_expected_accuracy
 from analysis.pairs import format_pairs, pairwise
 from analysis.stats import CI_NOTE, mean_ci, wilson
 from moe_rl.trainer.compare import COLUMNS, format_cell, run_row, shown_columns
@@ -51,6 +61,7 @@ def summary_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
             **{c: ci.mean for c, ci in cis.items()},
             "ci95": {c: ci.half for c, ci in cis.items()},
             "n": {c: ci.n for c, ci in cis.items()},
+            "per_seed": {"seed": [r.seed for r in runs], **{c: [row[c] for row in rows] for c in COLUMNS}},
         }
     return table
 
@@ -77,6 +88,7 @@ def collapse_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
             "frac_ci95": wilson(len(collapsed), len(runs)),
             "events": sum(_events(r) for r in runs),
             "kinds": None if kinds is None else dict(kinds),
+            "per_seed": {"seed": [r.seed for r in runs], "events": [_events(r) for r in runs]},
         }
     return table
 
@@ -152,8 +164,11 @@ def write_report(
     fields = varying_fields(runs)
     groups = group_runs(runs, fields)
     summary, collapse = summary_table(groups), collapse_table(groups)
+    outcomes = outcomes_table(groups) if has_expected(runs) else {}
     pairs = pairwise(groups, fields, permutations)
     figures = write_figures(groups, out_dir, smooth=smooth)
+    if outcomes:
+        figures = {**figures, "expected_accuracy": (plot_expected_accuracy(groups, out_dir), outcomes_caption)}
     summary_md, collapse_md, pairs_md = (
         format_summary(summary),
         format_collapse(collapse),
@@ -162,7 +177,8 @@ def write_report(
     by_field = {f: collapse_by_field(runs, f) for f in fields}
     dose = drift.dose_table(groups, permutations) if drift.FIELD in fields else None
     if dose is not None:
-        dose_md = drift.format_dose(dose) + "\n\nDose trend:\n\n" + drift.format_trend(drift.dose_trend(groups))
+        trend = drift.dose_trend(groups)
+        dose_md = drift.format_dose(dose) + "\n\nDose trend:\n\n" + drift.format_trend(trend)
         (out_dir / "dose_table.md").write_text(dose_md + "\n")
         figures = {"phase_diagram": (drift.plot_phase_diagram(groups, dose, out_dir), drift.CAPTION), **figures}
     (out_dir / "summary_table.md").write_text(summary_md + "\n")
@@ -170,7 +186,8 @@ def write_report(
     (out_dir / "pairs_table.md").write_text(pairs_md + "\n")
     (out_dir / "table.json").write_text(
         json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs,
-                    **({"dose": drift.dose_json(dose)} if dose is not None else {})}, indent=2)
+                    **({"dose": drift.dose_json(dose), "dose_trend": drift.trend_json(trend)} if dose is not None else {}),
+                    **({"outcomes": outcomes} if outcomes else {})}, indent=2)
     )
 
     names = short_names(fields)
@@ -192,10 +209,12 @@ def write_report(
         ),
         "## Summary (mean ± 95% CI over seeds)",
         "Per run: final reward = mean `rollout/reward/mean` over the last 5 steps; final eval acc = the last "
-        "logged `eval/accuracy` (held-out eval; the column is left out when no run has it); the other columns "
+        "logged `eval/accuracy` (held-out eval; the column is left out when no run has it); final expected acc = the "
+        "last logged `eval/expected_accuracy` (likewise); the other columns "
         "are means over steps of `clip/token_frac`, `ratio/token/var`, `routing/expert_change/response_frac`; collapse "
         "events = `collapse/events` at the last step. Full precision in [table.json](table.json).",
         summary_md,
+        *(["## Expected accuracy over training", format_outcomes(outcomes)] if outcomes else []),
         "## Collapse",
         collapse_md,
         *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in by_field.items()),

@@ -7,7 +7,9 @@ Every number a table or figure aggregates over seeds goes through these, so one 
 | mean over seeds | `mean_ci`: Student t interval, mean ± t_{n-1, 0.975} · s / sqrt(n), s the sample sd (ddof 1) |
 | difference of two group means | `welch`: Welch's t (unequal variances), Welch–Satterthwaite dof, two-sided p |
 | paired difference (same seeds in both groups) | `paired_t`: t interval of the per-seed differences, n - 1 dof, two-sided p |
-| dose trend | `ols_slope`: least-squares slope with its t interval (n - 2 dof) and two-sided p of slope = 0 |
+| slope of one seed's runs | `ols_slope`: least-squares slope with its t interval (n - 2 dof) and two-sided p of slope = 0 |
+| dose trend over seeds | `slope_over_seeds`: one least-squares slope per seed, then `one_sample_t` over the seeds' slopes (n_seeds - 1 dof), so runs sharing a seed are not counted as independent |
+| time to an event (censored) | `logrank`: two-sample log-rank (Mantel–Cox) chi-square, 1 dof |
 | difference of two rates | `rate_difference`: Newcombe's hybrid Wilson score interval (1998, method 10) and a two-sided permutation test of the difference |
 | smoothed curve | `ema`: s_0 = x_0, s_t = w · s_{t-1} + (1 - w) · x_t (w = 0: no smoothing) |
 
@@ -20,6 +22,7 @@ entirely on the normality assumption.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -234,3 +237,81 @@ def ema(values: Sequence[float] | np.ndarray, weight: float) -> np.ndarray:
         state = v if math.isnan(state) else weight * state + (1 - weight) * v
         out[i] = state
     return out
+
+
+def one_sample_t(values: Sequence[float], level: float = LEVEL) -> Difference:
+    """Student t for mean(values) = 0 over the finite values: `paired_t` against zeros (n - 1 dof)."""
+    v = np.asarray(values, dtype=np.float64)
+    d = paired_t(v, np.zeros_like(v), level)
+    return dataclasses.replace(d, test="one-sample t-test")
+
+
+def slope_over_seeds(
+    x_by_seed: dict[int, Sequence[float]], y_by_seed: dict[int, Sequence[float]], level: float = LEVEL
+) -> tuple[Difference, dict[int, float]]:
+    """One least-squares slope of y on x per seed (over that seed's finite pairs; nan with fewer than two
+    distinct x), then `one_sample_t` over the finite slopes: (its Difference, n_a = n_b = seeds with a
+    slope, test "one-sample t-test over per-seed slopes"; the slope of every seed)."""
+    slopes = {}
+    for seed in sorted(x_by_seed):
+        vx, vy = np.asarray(x_by_seed[seed], dtype=np.float64), np.asarray(y_by_seed[seed], dtype=np.float64)
+        keep = np.isfinite(vx) & np.isfinite(vy)
+        vx, vy = vx[keep], vy[keep]
+        slopes[seed] = (
+            float(np.sum((vx - vx.mean()) * (vy - vy.mean())) / np.sum((vx - vx.mean()) ** 2))
+            if vx.size >= 2 and np.ptp(vx) > 0 else math.nan
+        )  # fmt: skip
+    d = one_sample_t(list(slopes.values()), level)
+    return dataclasses.replace(d, test="one-sample t-test over per-seed slopes"), slopes
+
+
+@dataclass(frozen=True)
+class LogRank:
+    """A two-sample log-rank test: chi-square (1 dof), p, observed and expected events per group, group sizes."""
+
+    chi2: float
+    p: float
+    observed_a: int
+    expected_a: float
+    observed_b: int
+    expected_b: float
+    n_a: int
+    n_b: int
+    test: str = "log-rank test"
+
+
+def logrank(
+    time_a: Sequence[float], event_a: Sequence[bool], time_b: Sequence[float], event_b: Sequence[bool]
+) -> LogRank:
+    """Two-sample log-rank (Mantel–Cox) test that groups a and b share one hazard of the event.
+
+    Each unit has a time and whether the event happened then (True) or it was censored there (False:
+    known to be event-free up to that time). At each distinct event time t_j, with n_j units at risk
+    (time >= t_j; a unit censored at t_j is still at risk there), n_aj of them in a, and d_j events,
+    d_aj in a: E_a = Σ_j d_j n_aj / n_j, V = Σ_j d_j (n_aj / n_j)(1 - n_aj / n_j)(n_j - d_j) / (n_j - 1)
+    (hypergeometric variance; the factor is 1 where n_j = 1), chi2 = (O_a - E_a)² / V and
+    p = P(χ²_1 > chi2) = erfc(sqrt(chi2 / 2)). nan chi2 and p when V = 0 (no event, or no unit of one
+    group at risk at any event). Non-finite times are dropped. Suffix U: one entry per unit, J: per event time.
+    """
+    ta, ea = np.asarray(time_a, dtype=np.float64), np.asarray(event_a, dtype=bool)
+    tb, eb = np.asarray(time_b, dtype=np.float64), np.asarray(event_b, dtype=bool)
+    ka, kb = np.isfinite(ta), np.isfinite(tb)
+    ta, ea, tb, eb = ta[ka], ea[ka], tb[kb], eb[kb]
+    time_U, event_U = np.concatenate([ta, tb]), np.concatenate([ea, eb])
+    in_a_U = np.arange(time_U.size) < ta.size
+    t_J = np.unique(time_U[event_U])
+    at_risk_J = (time_U[None, :] >= t_J[:, None]).sum(1)
+    at_risk_a_J = ((time_U[None, :] >= t_J[:, None]) & in_a_U[None, :]).sum(1)
+    hit_JU = (time_U[None, :] == t_J[:, None]) & event_U[None, :]
+    d_J, d_a_J = hit_JU.sum(1), (hit_JU & in_a_U[None, :]).sum(1)
+    share_J = at_risk_a_J / at_risk_J
+    expected_a = float(np.sum(d_J * share_J))
+    ties_J = np.where(at_risk_J > 1, (at_risk_J - d_J) / np.maximum(at_risk_J - 1, 1), 1.0)
+    var = float(np.sum(d_J * share_J * (1 - share_J) * ties_J))
+    observed_a, observed_b = int(d_a_J.sum()), int(d_J.sum() - d_a_J.sum())
+    expected_b = float(d_J.sum()) - expected_a
+    if var <= 0:
+        return LogRank(math.nan, math.nan, observed_a, expected_a, observed_b, expected_b, int(ta.size), int(tb.size))
+    chi2 = (observed_a - expected_a) ** 2 / var
+    return LogRank(chi2, math.erfc(math.sqrt(chi2 / 2)), observed_a, expected_a, observed_b, expected_b,
+                   int(ta.size), int(tb.size))

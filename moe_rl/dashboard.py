@@ -62,7 +62,7 @@ class ReportSpec:
 
 
 REWARD = Panel("train reward", ("rollout/reward/mean",))
-EVAL = Panel("held-out eval accuracy", ("eval/accuracy", "eval/accuracy_greedy"))
+EVAL = Panel("held-out eval accuracy", ("eval/accuracy", "eval/accuracy_greedy", "eval/expected_accuracy"))
 LENGTH = Panel("response length", ("rollout/response_len/mean", "eval/response_len"))
 CLIP_TOKEN = Panel("clipped token fraction", ("clip/token_frac",), log_y=True)
 CLIP_SEQ = Panel("clipped sequence fraction", ("clip/seq_frac",), log_y=True)

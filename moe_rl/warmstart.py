@@ -186,10 +186,16 @@ def cache_key(
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def answer_ids(tokenizer: PreTrainedTokenizerBase, task: Task, example: Example) -> list[int]:
+    """The canonical answer as the sampler ends a response: the tokens of `task.solve(example)` (no
+    special tokens), then EOS. The warm start's demonstrations and `eval/expected_accuracy` both use it."""
+    return tokenizer(task.solve(example), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
 def demonstration_batch(
     tokenizer: PreTrainedTokenizerBase, task: Task, examples: list[Example]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded `(input_ids_BS, attention_mask_BS, labels_BS)` of prompt + solve(example) + EOS.
+    """Right-padded `(input_ids_BS, attention_mask_BS, labels_BS)` of prompt + `answer_ids` (EOS included).
 
     labels are the input ids on response tokens (EOS included) and -100 on prompt and padding, so the
     loss is on what the policy must generate, never on the prompt it is given.
@@ -197,8 +203,7 @@ def demonstration_batch(
     rows, n_prompt = [], []
     for ex in examples:
         prompt_ids = tokenizer(ex.prompt)["input_ids"]
-        response_ids = tokenizer(task.solve(ex), add_special_tokens=False)["input_ids"]
-        rows.append(prompt_ids + response_ids + [tokenizer.eos_token_id])
+        rows.append(prompt_ids + answer_ids(tokenizer, task, ex))
         n_prompt.append(len(prompt_ids))
     S = max(len(r) for r in rows)
     input_ids_BS = torch.full((len(rows), S), tokenizer.pad_token_id, dtype=torch.long)

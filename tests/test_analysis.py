@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from scipy import stats as sps
 
 from analysis.cli import main as analyze_main
 from analysis.load import group_runs, load_local, load_wandb, read_local_run, run_from_wandb, varying_fields
@@ -222,14 +223,25 @@ def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagra
     assert low["vs_reference"]["acc"].diff == pytest.approx(0.0, abs=1e-12)
     assert low["vs_reference"]["acc verdict"].startswith("not distinguishable")
     assert high["vs_reference"]["acc"].test == "paired t-test"
-    slope = dose_trend(group_runs(runs))["grpo (replay=off)"]
-    assert slope.diff == pytest.approx(-0.30 / (0.12 - 0.005) * 0.1) and slope.hi < 0 and slope.n_a == 10
+    trend = dose_trend(group_runs(runs))["grpo (replay=off)"]
+    assert set(trend) == {"final eval acc"}  # no run logged eval/expected_accuracy
+    slope, per_seed = trend["final eval acc"]["slope"], trend["final eval acc"]["per_seed"]
+    # One slope per seed (its two doses), then a one-sample t over the 5 seeds, not an OLS over 10 runs.
+    hand = {s: ((0.30 + 0.01 * (2 * s % 5)) - (0.60 + 0.01 * (3 * s % 5))) / (1.2 - 0.05) for s in range(5)}
+    assert per_seed == pytest.approx(hand, rel=1e-9)
+    assert slope.diff == pytest.approx(-0.30 / (0.12 - 0.005) * 0.1) and slope.hi < 0 and slope.n_a == 5
+    assert slope.p == pytest.approx(sps.ttest_1samp(list(hand.values()), 0.0).pvalue, rel=1e-9)
     out = tmp_path / "report"
     text = write_report(runs, out, "drift", [str(root)], permutations=1000).read_text()
     assert "## Drift dose-response" in text and "(any: replay wins)" in text
     assert (out / "phase_diagram.png").read_bytes()[:8] == PNG_MAGIC
     assert "phase_diagram.png" in text and (out / "dose_table.md").exists()
-    assert len(json.loads((out / "table.json").read_text())["dose"]) == 3
+    saved = json.loads((out / "table.json").read_text())
+    assert len(saved["dose"]) == 3
+    assert saved["dose"][1]["per_seed"]["seed"] == [0, 1, 2, 3, 4]
+    assert saved["dose"][1]["per_seed"]["final eval acc"] == pytest.approx([0.30 + 0.01 * (2 * s % 5) for s in range(5)])
+    assert saved["dose_trend"]["grpo (replay=off)"]["final eval acc"]["per_seed"] == pytest.approx(
+        {str(k): v for k, v in hand.items()}, rel=1e-9)
 
 
 def test_cli_needs_exactly_one_source(tmp_path):
@@ -285,6 +297,7 @@ def _independent_table(sweep: Path) -> dict[str, dict[str, list[float]]]:
             "token-ratio var": mean([r["ratio/token/var"] for r in rows]),
             "expert change": mean([r["routing/expert_change/response_frac"] for r in rows]),
             "collapse events": float(rows[-1]["collapse/events"]),
+            "final expected acc": [r["eval/expected_accuracy"] for r in rows if "eval/expected_accuracy" in r][-1],
             "seed": config["seed"],
         }
         for key, value in per_run.items():
@@ -297,7 +310,8 @@ def test_real_sweep_figures_are_pngs_linked_from_report(real_sweep):
     _, out = real_sweep
     text = (out / "report.md").read_text()
     assert text.startswith("# tiny sweep")
-    drawn = FIGURES | {"eval_accuracy.png", "clip_vs_kl.png"}  # real runs log eval and approx_kl
+    # Real runs log eval (with expected accuracy, before the first update too) and approx_kl.
+    drawn = FIGURES | {"eval_accuracy.png", "clip_vs_kl.png", "expected_accuracy.png"}
     assert {p.name for p in out.glob("*.png")} == drawn
     links = set(re.findall(r"\]\(([^)]+)\)", text))
     assert links == drawn | {"table.json"}
@@ -323,7 +337,8 @@ def test_real_sweep_table_equals_metrics_recomputed(real_sweep):
                 "|"
             )
         ]
-        for column in ["final reward", "clip frac", "token-ratio var", "expert change", "collapse events"]:
+        for column in ["final reward", "clip frac", "token-ratio var", "expert change", "collapse events",
+                       "final expected acc"]:
             value = sum(columns[column]) / len(columns[column])
             assert got[label][column] == pytest.approx(value, rel=1e-12, abs=0), (label, column)
             assert cells[header.index(column)].startswith(f"{value:.4g} ± "), (label, column)
@@ -391,3 +406,34 @@ def test_length_variance_figure_from_handwritten_runs(tmp_path, hand_sweep):
                                       for row in r.rows], r.events, r.source) for r in runs]
                for label, runs in groups.items()}  # fmt: skip
     assert plot_length_variance(one_bin, tmp_path) is None
+
+
+def test_drift_report_adds_expected_accuracy_auc_regression_and_per_seed_trend(tmp_path):
+    """With eval/expected_accuracy logged, the dose table adds each cell's AUC, its paired difference to the
+    replay arm and a log-rank test of time to regression; the trend gets a per-seed AUC slope."""
+    from analysis.drift import dose_table, dose_trend, format_dose
+    from analysis.outcomes import auc
+
+    root = tmp_path / "sweep"
+    for seed in range(5):
+        for preset, drift, final in (("grpo_rr", 0.0, 0.6), ("grpo", 0.0, 0.6), ("grpo", 0.2, 0.2)):
+            _drift_run(root, preset, seed, drift, 0.5, 0.005 if drift == 0 else 0.12, 0)
+            folder = root / f"{preset}-{drift}-{seed}"
+            rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+            rows[0]["eval/initial/expected_accuracy"] = 0.5
+            rows[0]["eval/expected_accuracy"], rows[1]["eval/expected_accuracy"] = final + 0.01 * seed, final
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    groups = group_runs(load_local([root], progress=False))
+    low, high, ref = dose_table(groups, permutations=100)
+    hand_auc = [(0.5 * (0.5 + 0.2 + 0.01 * s) + 0.5 * (0.4 + 0.01 * s)) / 2 for s in range(5)]
+    assert high["per_seed"]["expected-acc AUC"] == pytest.approx(hand_auc, rel=1e-12)
+    assert high["expected-acc AUC"].mean == pytest.approx(np.mean(hand_auc), rel=1e-12)
+    assert high["vs_reference"]["auc"].diff == pytest.approx(np.mean(hand_auc) - np.mean(
+        [auc(r) for r in groups["grpo_rr (replay=old) drift=0"]]), rel=1e-9)
+    reg = high["vs_reference"]["regression"]
+    assert (reg["regressed_a"], reg["n_a"], reg["regressed_b"], reg["n_b"]) == (5, 5, 0, 5) and reg["p"] < 0.05
+    assert low["vs_reference"]["regression"]["regressed_a"] == 0
+    trend = dose_trend(groups)["grpo (replay=off)"]["expected-acc AUC"]
+    assert trend["slope"].n_a == 5 and trend["slope"].diff < 0
+    text = format_dose([low, high, ref])
+    assert "| expected-acc AUC | Δ AUC |" in text and "regressed 5/5 vs 0/5" in text

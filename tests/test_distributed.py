@@ -269,8 +269,9 @@ def test_two_processes_keep_ranks_identical_and_match_one_process(runs):
     """After 4 steps both ranks hold bitwise identical parameters, and the 2-process run samples the same
     completions as a 1-process run with the same global batch and seed; losses, gradient norms, token
     ratios and parameters agree within 1e-4, step 0's clip and expert-change fractions and router margins
-    (pooled over ranks, so exact order statistics) are equal, and so
-    are step 0's per-length ratio statistics (summed over ranks, so exact; an empty bin NaN in both)."""
+    (pooled over ranks, so exact order statistics) are equal, and so are step 0's per-length ratio
+    statistics (summed over ranks, so exact; an empty bin NaN in both) and the pre-update evaluation
+    (eval/initial/*)."""
     root, _, two = runs
     assert two["world_size"] == 2
     assert two["param_checksum_by_rank"][0] == two["param_checksum_by_rank"][1]
@@ -282,6 +283,8 @@ def test_two_processes_keep_ranks_identical_and_match_one_process(runs):
         for key in CONTINUOUS:
             assert b[key] == pytest.approx(a[key], rel=TOL, abs=TOL), key
     for key in DISCRETE:  # later steps may flip a near-tie once parameters differ by float noise
+        assert two_rows[0][key] == pytest.approx(one_rows[0][key], rel=1e-6), key
+    for key in ("eval/initial/expected_accuracy", "eval/initial/accuracy_greedy"):  # every rank evaluates all
         assert two_rows[0][key] == pytest.approx(one_rows[0][key], rel=1e-6), key
     length_keys = [k for k in one_rows[0] if k.startswith("length/")]
     assert {k for k in two_rows[0] if k.startswith("length/")} == set(length_keys)

@@ -1,5 +1,6 @@
 """Statistics over seeds (analysis.stats, analysis.pairs) against hand-computed values and scipy, on synthetic runs."""
 
+import json
 import math
 
 import numpy as np
@@ -9,10 +10,23 @@ from test_analysis import _config, _metrics, _write_run
 
 from analysis.cli import parse_args
 from analysis.figures import aggregate
-from analysis.load import Run, group_runs
+from analysis.load import Run, group_runs, load_local
+from analysis.outcomes import auc, expected_curve, has_expected, regression_time
 from analysis.pairs import comparable_pairs, compare_pair, format_pairs
-from analysis.report import collapse_table, format_collapse, format_summary, summary_table
-from analysis.stats import ema, mean_ci, ols_slope, paired_t, permutation_p, rate_difference, verdict, welch
+from analysis.report import collapse_table, format_collapse, format_summary, summary_table, write_report
+from analysis.stats import (
+    ema,
+    logrank,
+    mean_ci,
+    ols_slope,
+    one_sample_t,
+    paired_t,
+    permutation_p,
+    rate_difference,
+    slope_over_seeds,
+    verdict,
+    welch,
+)
 from moe_rl.trainer.compare import comparison, format_table
 
 T_2 = 4.302652729749464  # t_{2, 0.975}, from printed tables
@@ -287,3 +301,127 @@ def test_paired_t_and_ols_slope_match_scipy():
     s, fit = ols_slope(x, y), sps.linregress(x, y)
     half = sps.t.ppf(0.975, 4) * fit.stderr
     assert (s.diff, s.lo, s.hi, s.p) == pytest.approx((fit.slope, fit.slope - half, fit.slope + half, fit.pvalue))
+
+
+# --- time to regression, expected-accuracy AUC, per-seed dose slopes ------------------------------
+
+# Freireich et al. (1963) remission times in weeks, 6-MP vs placebo (Kleinbaum & Klein, Survival Analysis,
+# ch. 2: O_1 = 9, E_1 = 19.25, log-rank chi-square 16.79). Events first, then the censored times.
+MP_TIMES = [6, 6, 6, 7, 10, 13, 16, 22, 23, 6, 9, 10, 11, 17, 19, 20, 25, 32, 32, 34, 35]
+MP_EVENTS = [True] * 9 + [False] * 12
+PLACEBO_TIMES = [1, 1, 2, 2, 3, 4, 4, 5, 5, 8, 8, 8, 8, 11, 11, 12, 12, 15, 17, 22, 23]
+
+
+def test_logrank_matches_the_textbook_leukemia_example_and_scipy():
+    """logrank on Freireich's 6-MP trial gives the textbook O_1 = 9, E_1 = 19.25, chi-square 16.79, and
+    scipy.stats.logrank's p-value."""
+    res = logrank(MP_TIMES, MP_EVENTS, PLACEBO_TIMES, [True] * 21)
+    assert (res.observed_a, res.observed_b, res.n_a, res.n_b) == (9, 21, 21, 21)
+    assert res.expected_a == pytest.approx(19.25, abs=0.005) and res.chi2 == pytest.approx(16.79, abs=0.005)
+    assert res.expected_a + res.expected_b == pytest.approx(30, rel=1e-12)
+    censored = sps.CensoredData(uncensored=MP_TIMES[:9], right=MP_TIMES[9:])
+    ref = sps.logrank(censored, sps.CensoredData(uncensored=PLACEBO_TIMES))
+    assert res.chi2 == pytest.approx(ref.statistic**2, rel=1e-10) and res.p == pytest.approx(ref.pvalue, rel=1e-10)
+
+
+def test_logrank_equals_hand_computation_with_ties_and_censoring():
+    """Two small samples by hand in float64: E_a and the hypergeometric variance (tie factor (n - d)/(n - 1)),
+    chi2 = (O_a - E_a)² / V, p = erfc(sqrt(chi2 / 2)); a unit censored at an event time is still at risk."""
+    # a: 1 (event), 3 (censored); b: 2, 4 (events). Times 1, 2, 4: E_a = 2/4 + 1/3 + 0, V = 1/4 + 2/9 + 0.
+    res = logrank([1, 3], [True, False], [2, 4], [True, True])
+    assert res.expected_a == pytest.approx(5 / 6, rel=1e-14) and res.chi2 == pytest.approx(1 / 17, rel=1e-14)
+    assert res.p == pytest.approx(math.erfc(math.sqrt(1 / 34)), rel=1e-14)
+    # Ties: at t = 2, 3 events among 5 at risk (3 in a): E += 9/5, V += 3 (3/5)(2/5)(2/4); at t = 3, 1 of 2.
+    res = logrank([2, 2, 5], [True, True, False], [2, 3], [True, True])
+    assert res.expected_a == pytest.approx(2.3, rel=1e-14) and res.chi2 == pytest.approx(0.09 / 0.61, rel=1e-12)
+    # Censored at 3 while the other arm has an event at 3: still at risk there (n = 3, n_a = 1: E_a = 1/3, not 0).
+    assert logrank([3], [False], [3, 4], [True, True]).expected_a == pytest.approx(1 / 3, rel=1e-14)
+    none = logrank([5, 6], [False, False], [5], [False])
+    assert math.isnan(none.chi2) and math.isnan(none.p) and none.observed_a == 0
+
+
+def test_one_sample_t_and_slope_over_seeds_match_scipy():
+    """slope_over_seeds fits one least-squares slope per seed (hand values) and t-tests their mean against 0
+    (scipy ttest_1samp); a seed with one distinct x has no slope and does not count in n."""
+    x = {0: [0.0, 1.0, 2.0], 1: [0.0, 2.0], 2: [1.0, 3.0, 5.0], 3: [1.0, 1.0]}
+    y = {0: [1.0, 0.5, 0.0], 1: [0.2, 0.0], 2: [0.9, 0.9, 0.1], 3: [0.4, 0.2]}
+    d, slopes = slope_over_seeds(x, y)
+    hand = [-0.5, -0.1, sps.linregress(x[2], y[2]).slope]
+    assert [slopes[s] for s in (0, 1, 2)] == pytest.approx(hand, rel=1e-12) and math.isnan(slopes[3])
+    ref = sps.ttest_1samp(hand, 0.0)
+    assert (d.n_a, d.test) == (3, "one-sample t-test over per-seed slopes")
+    assert d.diff == pytest.approx(np.mean(hand), rel=1e-12) and d.p == pytest.approx(ref.pvalue, rel=1e-10)
+    assert (d.lo, d.hi) == pytest.approx(tuple(ref.confidence_interval()), rel=1e-10)
+    assert one_sample_t([0.1, 0.3, math.nan]).p == pytest.approx(sps.ttest_1samp([0.1, 0.3], 0).pvalue, rel=1e-10)
+
+
+def _expected_run(preset: str, seed: int, initial: float | None, evals: dict[int, float], steps: int = 6) -> Run:
+    """A Run with eval/initial/expected_accuracy in step 0's row (unless None) and eval/expected_accuracy at `evals`."""
+    run = _run(preset, seed, [0.1] * steps)
+    if initial is not None:
+        run.rows[0]["eval/initial/expected_accuracy"] = initial
+    for step, value in evals.items():
+        run.rows[step]["eval/expected_accuracy"] = value
+    return run
+
+
+def test_auc_and_sustained_regression_by_hand():
+    """AUC is the trapezoid area under expected accuracy vs updates (pre-update eval at 0, step s's eval at
+    s + 1) over its span; regression is the first of two evals in a row below 0.8 x the pre-update value,
+    censored at the last eval otherwise, unknown without a pre-update eval."""
+    run = _expected_run("grpo", 0, 0.5, {1: 0.7, 3: 0.3})  # points (0, .5), (2, .7), (4, .3)
+    t, v = expected_curve(run)
+    assert t.tolist() == [0, 2, 4] and v.tolist() == [0.5, 0.7, 0.3]
+    assert auc(run) == pytest.approx((2 * 0.6 + 2 * 0.5) / 4, rel=1e-14)
+    assert regression_time(run) == (4.0, False)  # one eval below 0.4: not sustained, censored at 4
+    dips = _expected_run("grpo", 0, 0.5, {0: 0.39, 1: 0.45, 2: 0.3, 3: 0.35, 4: 0.2})
+    assert regression_time(dips) == (3.0, True)  # 0.39 alone does not count; 0.3 then 0.35 does
+    no_initial = regression_time(_expected_run("grpo", 0, None, {0: 0.1, 1: 0.1}))
+    assert math.isnan(no_initial[0]) and no_initial[1] is False
+    old = _run("grpo", 0, [0.1, 0.2])  # predates eval/expected_accuracy
+    assert math.isnan(auc(old)) and math.isnan(regression_time(old)[0]) and not has_expected([old])
+
+
+def test_pairs_add_paired_auc_and_logrank_only_when_runs_have_expected_accuracy():
+    """compare_pair adds the paired AUC difference (scipy ttest_rel) and the log-rank test of time to regression
+    (equal to logrank on the hand times), keeps every seed's values, and leaves both out for old runs."""
+    a = [_expected_run("grpo", s, 0.5, {1: 0.3, 3: 0.2, 5: 0.1 + 0.01 * s}) for s in range(5)]  # regress at 2
+    b = [_expected_run("gspo", s, 0.5, {1: 0.5 + 0.02 * s, 3: 0.6, 5: 0.35}) for s in range(5)]  # never
+    pair = compare_pair(a, b)
+    auc_a, auc_b = [auc(r) for r in a], [auc(r) for r in b]
+    assert pair["auc_diff"]["p"] == pytest.approx(sps.ttest_rel(auc_a, auc_b).pvalue, rel=1e-10)
+    assert pair["auc_diff"]["test"] == "paired t-test"
+    reg, ref = pair["regression"], logrank([2] * 5, [True] * 5, [6] * 5, [False] * 5)
+    assert (reg["regressed_a"], reg["regressed_b"]) == (5, 0) and reg["p"] == pytest.approx(ref.p, rel=1e-12)
+    assert pair["per_seed"]["a"]["seed"] == list(range(5)) and pair["per_seed"]["a"]["auc"] == auc_a
+    text = format_pairs([{"a": "x", "b": "y", **pair}])
+    assert "expected-acc AUC" in text and "time to sustained regression" in text and "regressed 5/5 vs 0/5" in text
+    old = compare_pair([_run("grpo", s, [0.1, 0.2]) for s in range(2)], [_run("gspo", s, [0.1, 0.3]) for s in range(2)])
+    assert old["auc_diff"] is None and old["regression"] is None and "auc" not in old["per_seed"]["a"]
+    assert "expected-acc AUC" not in format_pairs([{"a": "x", "b": "y", **old}]).split("\n\n")[0]
+
+
+def test_report_table_json_keeps_per_seed_values(tmp_path):
+    """table.json's summary, collapse, pairs and expected-accuracy tables hold every seed's value, so each mean
+    re-derives from them; the report gets an expected-accuracy section."""
+    root = tmp_path / "sweep"
+    for s in range(3):
+        for preset, final in (("grpo", 0.2), ("gspo", 0.6)):
+            rows = _metrics([0.1, 0.2, 0.3])
+            rows[0]["eval/initial/expected_accuracy"] = 0.5
+            rows[1]["eval/expected_accuracy"], rows[2]["eval/expected_accuracy"] = final + 0.01 * s, final
+            _write_run(root / f"{preset}{s}", _config(preset, s, 1e-4), rows)
+    text = write_report(load_local([root], progress=False), tmp_path / "out", "t", [str(root)]).read_text()
+    saved = json.loads((tmp_path / "out" / "table.json").read_text())
+    summary = saved["summary"]["grpo (replay=off)"]
+    assert summary["per_seed"]["seed"] == [0, 1, 2]
+    assert np.mean(summary["per_seed"]["final expected acc"]) == pytest.approx(summary["final expected acc"])
+    assert summary["final expected acc"] == pytest.approx(0.2)
+    assert saved["collapse"]["grpo (replay=off)"]["per_seed"] == {"seed": [0, 1, 2], "events": [0.0, 0.0, 0.0]}
+    outcomes = saved["outcomes"]["grpo (replay=off)"]
+    assert outcomes["per_seed"]["regressed"] == [True] * 3 and outcomes["per_seed"]["regression_updates"] == [2.0] * 3
+    assert np.mean(outcomes["per_seed"]["auc"]) == pytest.approx(outcomes["auc"], rel=1e-12)
+    assert saved["pairs"][0]["per_seed"]["b"]["auc"] == saved["outcomes"]["gspo (replay=off)"]["per_seed"]["auc"]
+    assert "## Expected accuracy over training" in text and "| grpo (replay=off) | 3 |" in text
+    assert "![expected_accuracy](expected_accuracy.png)" in text
+    assert (tmp_path / "out" / "expected_accuracy.png").read_bytes()[:4] == b"\x89PNG"

@@ -32,7 +32,7 @@ REQUIRED_KEYS = [
 ]
 TINY = [
     "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batches=2",
-    "sampler.max_new_tokens=6", "model.num_layers=2", "logger.progress=false",
+    "sampler.max_new_tokens=6", "model.num_layers=2", "logger.progress=false", "eval.expected_size=32",
 ]
 
 
@@ -83,6 +83,7 @@ def test_objective_presets_set_paper_clip_ranges_and_replay():
         ("routing.drift_from_minibatch=0", "routing.drift_from_minibatch"),
         ("trainer.group_minibatches=true trainer.prompts_per_step=6", "trainer.group_minibatches"),
         ("warmstart.build_seed=-1", "warmstart.build_seed"),
+        ("eval.expected_size=-1", "eval.expected_size"),
         ("objective=gmpo objective.loss_agg=token-mean", "objective.loss_agg"),
     ],
 )
@@ -338,18 +339,31 @@ def test_console_command_end_to_end_presets(tmp_path, warm_overrides, preset):
     _check_run(_run_console(tmp_path, preset, [], warm_overrides))
 
 
+EVAL_KEYS = ("eval/accuracy", "eval/accuracy_greedy", "eval/expected_accuracy")
+
+
 def test_heldout_eval_is_logged_and_never_changes_training(tmp_path, warm_overrides):
-    """eval.every=2 over 3 steps logs eval/* after steps 2 and 3 (the last) only, with accuracies in [0, 1];
+    """eval.every=2 over 3 steps logs eval/* after steps 2 and 3 (the last) only, and eval/initial/* (the
+    warm-start policy's evaluation, before any update) in step 0's row only, with accuracies in [0, 1];
     the training metrics equal those of a run with evaluation off."""
+    from moe_rl.trainer.evaluate import evaluate
+
     cfg = compose_config([*TINY, *warm_overrides, "objective=grpo", "trainer.steps=3", "logger.wandb=false",
                           "eval.every=2", "eval.size=16"])
     train(cfg, tmp_path / "on")
-    train(replace(cfg, eval=replace(cfg.eval, size=0)), tmp_path / "off")
+    train(replace(cfg, eval=replace(cfg.eval, size=0, expected_size=0)), tmp_path / "off")
     on, off = _read_metrics(tmp_path / "on"), _read_metrics(tmp_path / "off")
     assert [("eval/accuracy" in r) for r in on] == [False, True, True]
-    assert not any("eval/accuracy" in r for r in off)
-    assert all(0 <= r[k] <= 1 for r in on[1:] for k in ("eval/accuracy", "eval/accuracy_greedy"))
+    assert [("eval/initial/expected_accuracy" in r) for r in on] == [True, False, False]
+    assert not any(k.startswith("eval/") for r in off for k in r)
+    assert all(0 <= r[k] <= 1 for r in on[1:] for k in EVAL_KEYS)
     assert _comparable(off) == _comparable(on)
+    ctx, _ = _context(cfg)
+    examples = ctx.task.examples("eval", cfg.eval.prompts_needed, cfg.eval.seed)
+    before = evaluate(ctx.model, ctx.tokenizer, ctx.task, [ctx.prompt(e.prompt) for e in examples], examples,
+                      cfg.sampler, cfg.eval)
+    for key in EVAL_KEYS:
+        assert on[0][key.replace("eval/", "eval/initial/")] == pytest.approx(before[key], rel=1e-6), key
 
 
 def test_build_seed_shares_one_warm_start_across_run_seeds(warm_overrides):
@@ -368,14 +382,19 @@ def _comparable(rows: list[dict]) -> list[dict]:
 
 
 def test_resume_matches_uninterrupted_run(tmp_path, warm_overrides):
-    """A run stopped after 2 steps and resumed to 4 logs the same metrics as a 4-step run never interrupted."""
+    """A run stopped after 2 steps and resumed to 4 logs the same metrics as a 4-step run never interrupted,
+    and the pre-update evaluation once (in step 0's row, from the first session)."""
     cfg = compose_config([*TINY, *warm_overrides, "objective=grpo_rr", "trainer.checkpoint_every=1",
                           "logger.wandb=false"])
     full = replace(cfg, trainer=replace(cfg.trainer, steps=4))
     train(full, tmp_path / "full")
     train(cfg, tmp_path / "cut")  # steps=2, then "killed"
     train(replace(full, resume=True), tmp_path / "cut")
-    assert _comparable(_read_metrics(tmp_path / "cut")) == _comparable(_read_metrics(tmp_path / "full"))
+    cut, uncut = _read_metrics(tmp_path / "cut"), _read_metrics(tmp_path / "full")
+    assert _comparable(cut) == _comparable(uncut)
+    initial = [{k: v for k, v in r.items() if k.startswith("eval/initial/")} for r in cut]
+    assert initial[0] and not any(initial[1:]), "the pre-update eval is logged once, in step 0's row"
+    assert initial[0] == {k: v for k, v in uncut[0].items() if k.startswith("eval/initial/")}
 
 
 @pytest.mark.slow
@@ -455,6 +474,7 @@ def test_reuse_sampler_logp_skips_old_forward_and_matches_it():
 def test_every_experiment_runs_two_steps(tmp_path, name):
     """Every experiment config composes and runs two RL steps at a tiny size."""
     tiny = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.mini_batches=2",
-            "model.num_layers=1", "logger.progress=false", "logger.wandb=false", "warmstart.enabled=false", "eval.size=8"]
+            "model.num_layers=1", "logger.progress=false", "logger.wandb=false", "warmstart.enabled=false", "eval.size=8",
+            "eval.expected_size=8"]
     summary = train(compose_config([f"+experiment={name}", *tiny]), tmp_path / name)
     assert summary["steps_done"] == 2 and summary["experiment"] == name.split("__")[0]

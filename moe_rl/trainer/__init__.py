@@ -63,5 +63,9 @@ finite metrics of the last step.
 | `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages (`time/old_forward_s` is ~0 with `trainer.reuse_sampler_logp`) |
 | `throughput/tokens_per_s` | (prompt + response tokens of the batch) / step seconds |
 | `throughput/sampler_tokens_per_s` | response tokens sampled / rollout seconds |
-| `eval/accuracy`, `eval/accuracy_greedy`, `eval/response_len`, `time/eval_s` | held-out evaluation (moe_rl.trainer.evaluate), only on the steps it runs: every `eval.every` steps and the last |
+| `eval/accuracy`, `eval/response_len` | held-out evaluation (moe_rl.trainer.evaluate), only on the steps it runs (every `eval.every` steps and the last): sampled as in RL on the first `eval.size` eval prompts |
+| `eval/expected_accuracy` | mean over the first `eval.expected_size` eval prompts of the teacher-forced probability exp Σ_t log π(y*_t) of the canonical answer y* (EOS included) at the sampler's temperature, untruncated: the expected sampled accuracy without sampling noise where y* is the only correct answer and top_p = 1 (arithmetic, sort, sort_long); a lower bound for countdown (moe_rl.trainer.evaluate) |
+| `eval/accuracy_greedy` | greedy decoding on the same `eval.expected_size` prompts |
+| `eval/initial/*` | the eval keys above for the policy before the first update, in step 0's row only (`eval.at_start`); a resumed run keeps its first session's |
+| `time/eval_s` | wall seconds of the row's evaluations (the initial one included in step 0's row) |
 """

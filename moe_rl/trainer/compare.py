@@ -8,6 +8,7 @@ folder names). Each cell is the mean over seeds ± the half-width of its 95% con
 |---|---|
 | final reward | mean of `rollout/reward/mean` over the last 5 steps |
 | final eval acc | `eval/accuracy` of the last row that has it (held-out eval); the column is left out when no run has it |
+| final expected acc | `eval/expected_accuracy` of the last row that has it (teacher-forced, moe_rl.trainer.evaluate); left out when no run has it |
 | clip frac | mean over steps of `clip/token_frac` |
 | token-ratio var | mean over steps of `ratio/token/var` |
 | expert change | mean over steps of `routing/expert_change/response_frac`: the paper's quantity, over response positions (runs from before it was logged fall back to `routing/expert_change/frac`, over all positions) |
@@ -29,6 +30,7 @@ from moe_rl.trainer.logging import CorruptLogError, from_json_number, read_jsonl
 COLUMNS = (
     "final reward",
     "final eval acc",
+    "final expected acc",
     "clip frac",
     "token-ratio var",
     "expert change",
@@ -97,6 +99,7 @@ def run_row(rows: list[dict]) -> dict[str, float]:
     return {
         "final reward": _mean([r["rollout/reward/mean"] for r in rows[-5:]]),
         "final eval acc": last_value(rows, "eval/accuracy"),
+        "final expected acc": last_value(rows, "eval/expected_accuracy"),
         "clip frac": _mean([r.get("clip/token_frac", math.nan) for r in rows]),
         "token-ratio var": _mean([r.get("ratio/token/var", math.nan) for r in rows]),
         "expert change": _mean(
@@ -131,8 +134,9 @@ def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def shown_columns(table: dict[str, dict[str, Any]]) -> list[str]:
-    """COLUMNS, less "final eval acc" when no label has a value for it (runs without held-out eval)."""
-    return [c for c in COLUMNS if c != "final eval acc" or any(math.isfinite(r[c]) for r in table.values())]
+    """COLUMNS, less the held-out eval columns no label has a value for (runs without that evaluation)."""
+    optional = ("final eval acc", "final expected acc")
+    return [c for c in COLUMNS if c not in optional or any(math.isfinite(r[c]) for r in table.values())]
 
 
 def format_cell(mean: float, half: float) -> str:

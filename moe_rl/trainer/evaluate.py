@@ -1,16 +1,32 @@
 """Held-out evaluation during RL: the policy on a fixed set of the task's eval prompts.
 
-Every run with the same task, difficulty and `eval.seed` evaluates the same `eval.size` prompts (the
-eval split never meets the train split: moe_rl.tasks.base), with freshly seeded sampling noise at every
-evaluation, so a change between evaluations reflects the weights, not the draw. Evaluation uses its own
-generator and touches no training RNG, so turning it on or off never changes the training run.
+Every run with the same task, difficulty and `eval.seed` evaluates the same prompts (the eval split
+never meets the train split: moe_rl.tasks.base): the first `eval.size` of the eval stream are sampled,
+the first `eval.expected_size` are scored teacher-forced and greedily (both sets are prefixes of one
+stream, so the smaller lies inside the larger). Sampling noise is freshly seeded at every evaluation, so
+a change between evaluations reflects the weights, not the draw. Evaluation uses its own generator and
+touches no training RNG, so turning it on or off never changes the training run. With `eval.at_start`
+the policy is also evaluated before the first update, logged in step 0's row as `eval/initial/*`.
 
 | key | meaning |
 |---|---|
-| `eval/accuracy` | fraction of eval prompts answered correctly, one response each sampled as in RL (sampler.*) |
-| `eval/accuracy_greedy` | the same with greedy decoding |
-| `eval/response_len` | mean response tokens (EOS included) of the sampled responses |
-| `time/eval_s` | wall seconds of the evaluation |
+| `eval/accuracy` | fraction of the `eval.size` prompts answered correctly, one response each sampled as in RL (sampler.*) |
+| `eval/response_len` | mean response tokens (EOS included) of those sampled responses |
+| `eval/expected_accuracy` | over the `eval.expected_size` prompts, the mean of π(y* \\| x) = exp Σ_t log π(y*_t \\| x, y*_<t): the teacher-forced probability of the canonical answer y* (`task.solve` tokens, then EOS, as the sampler ends a response; `warmstart.answer_ids`) under softmax(logits / T) at the sampler's temperature T (1 when greedy), exactly as the RL log-probs (moe_rl.rollout.forward); 0 for an answer longer than `sampler.max_new_tokens`. No sampling noise. See below for when it equals the expected sampled accuracy |
+| `eval/accuracy_greedy` | fraction of the `eval.expected_size` prompts answered correctly by greedy decoding |
+| `eval/initial/<name>` | each of the above, of the policy before the first update (step 0's row only, with `eval.at_start`) |
+| `time/eval_s` | wall seconds of the evaluation(s) logged in the row |
+
+What `eval/expected_accuracy` means. It is the probability that one sampled response is exactly y*,
+under the untruncated softmax at temperature T. It equals the expected sampled accuracy E[`eval/accuracy`]
+when (a) the sampler does not truncate (`sampler.top_p=1`; with top_p < 1 the sampler draws from a
+renormalised nucleus, so the two differ) and (b) y* is the only response the verifier accepts. For
+arithmetic, sort and sort_long it is the only one up to the verifiers' tolerance of padding (surrounding
+or repeated spaces, arithmetic's leading zeros), forms a policy warm-started on canonical demonstrations
+all but never writes (tests/test_evaluate.py checks the equality by Monte Carlo). With a subword tokenizer
+y* is one tokenisation of the answer text; others decode to the same text. For countdown many
+expressions reach the target, so it is a lower bound on the expected accuracy: the probability of
+writing the generator's own expression.
 """
 
 from __future__ import annotations
@@ -22,8 +38,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from moe_rl.rollout import SamplerConfig, sample
+from moe_rl.rollout import SamplerConfig, response_logprobs, sample
 from moe_rl.tasks import Example, Task
+from moe_rl.warmstart import answer_ids
 
 
 @dataclass
@@ -34,19 +51,71 @@ class EvalConfig:
     """Evaluate after every N RL steps, and always after the last step (or a collapse stop); 0 = only at
     the end."""
     size: int = 64
-    """Number of eval prompts (fixed per task, difficulty and seed); 0 turns evaluation off."""
+    """Number of eval prompts sampled as in RL (`eval/accuracy`); 0 turns sampled evaluation off."""
+    expected_size: int = 512
+    """Number of eval prompts scored teacher-forced (`eval/expected_accuracy`) and greedily
+    (`eval/accuracy_greedy`); 0 turns both off. With `size` 0 too, evaluation is off."""
+    batch_size: int = 128
+    """Prompts per forward of the teacher-forced and greedy evaluations (memory, not results)."""
+    at_start: bool = True
+    """Also evaluate before the first update (`eval/initial/*` in step 0's row; not repeated on resume)."""
     seed: int = 12345
     """Seed of the eval prompts and of the sampling noise (distinct from the warm start's eval set)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
-        for name in ("every", "size", "seed"):
+        for name in ("every", "size", "expected_size", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"eval.{name}={getattr(self, name)}: must be >= 0")
+        if self.batch_size < 1:
+            raise ValueError(f"eval.batch_size={self.batch_size}: must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any evaluation runs."""
+        return self.size > 0 or self.expected_size > 0
+
+    @property
+    def prompts_needed(self) -> int:
+        """How many prompts of the eval stream the evaluations use."""
+        return max(self.size, self.expected_size)
 
     def due(self, step: int, last: bool) -> bool:
         """Whether to evaluate after RL step `step` (0-based)."""
-        return self.size > 0 and (last or (self.every > 0 and (step + 1) % self.every == 0))
+        return self.enabled and (last or (self.every > 0 and (step + 1) % self.every == 0))
+
+
+@torch.no_grad()
+def answer_logprobs(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    prompts: list[str],
+    examples: list[Example],
+    temperature: float,
+    max_new_tokens: int,
+) -> torch.Tensor:
+    """`[B]` float64 Σ_t log π(y*_t | x, y*_<t) of each example's canonical answer (`answer_ids`) at
+    `temperature`, in one teacher-forced forward laid out as a rollout (left-padded prompts, right-padded
+    responses: moe_rl.rollout.forward); -inf where the answer has more than `max_new_tokens` tokens."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    answers = [answer_ids(tokenizer, task, ex) for ex in examples]
+    R = max(len(a) for a in answers)
+    response_BR = torch.full((len(answers), R), tokenizer.pad_token_id, dtype=torch.long)
+    mask_BR = torch.zeros(len(answers), R, dtype=torch.bool)
+    for i, ids in enumerate(answers):
+        response_BR[i, : len(ids)] = torch.tensor(ids)
+        mask_BR[i, : len(ids)] = True
+    ids_BS = torch.cat([enc["input_ids"], response_BR], 1).to(device)
+    attn_BS = torch.cat([enc["attention_mask"], torch.ones_like(response_BR)], 1).to(device)
+    logp_BR = response_logprobs(model, ids_BS, attn_BS, R, temperature).double().cpu()
+    logp_B = logp_BR.masked_fill(~mask_BR, 0.0).sum(1)
+    return logp_B.masked_fill(mask_BR.sum(1) > max_new_tokens, -torch.inf)
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 @torch.no_grad()
@@ -57,25 +126,43 @@ def evaluate(
     prompts: list[str],
     examples: list[Example],
     sampler_cfg: SamplerConfig,
-    seed: int,
+    eval_cfg: EvalConfig,
 ) -> dict[str, float]:
-    """`eval/*` metrics of `model` on `examples` (whose prompts, as the model sees them, are `prompts`)."""
+    """`eval/*` metrics of `model` on `examples` (the first `eval_cfg.prompts_needed` of the eval stream,
+    whose prompts, as the model sees them, are `prompts`)."""
     t0 = time.perf_counter()
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     out = {}
     try:
-        for key, cfg in (
-            ("eval/accuracy", sampler_cfg),
-            ("eval/accuracy_greedy", dataclasses.replace(sampler_cfg, temperature=0.0)),
-        ):
-            roll = sample(model, tokenizer, prompts, cfg, generator=torch.Generator(device).manual_seed(seed))
-            correct = [task.is_correct(ex, text) for ex, text in zip(examples, roll.texts, strict=True)]
-            out[key] = sum(correct) / len(correct)
-            if cfg is sampler_cfg:
-                out["eval/response_len"] = roll.response_mask_BR.sum(1).double().mean().item()
+        if eval_cfg.size > 0:
+            n = slice(eval_cfg.size)
+            gen = torch.Generator(device).manual_seed(eval_cfg.seed)
+            roll = sample(model, tokenizer, prompts[n], sampler_cfg, generator=gen)
+            out["eval/accuracy"] = _accuracy(task, examples[n], roll.texts)
+            out["eval/response_len"] = roll.response_mask_BR.sum(1).double().mean().item()
+        if eval_cfg.expected_size > 0:
+            greedy_cfg = dataclasses.replace(sampler_cfg, temperature=0.0)
+            logp, texts = [], []
+            for c in _chunks(eval_cfg.expected_size, eval_cfg.batch_size):
+                logp.append(answer_logprobs(model, tokenizer, task, prompts[c], examples[c],
+                                            sampler_cfg.temperature or 1.0, sampler_cfg.max_new_tokens))
+                gen = torch.Generator(device).manual_seed(eval_cfg.seed)  # unused by greedy decoding
+                texts += sample(model, tokenizer, prompts[c], greedy_cfg, generator=gen).texts
+            out["eval/expected_accuracy"] = torch.cat(logp).exp().mean().item()
+            out["eval/accuracy_greedy"] = _accuracy(task, examples[: eval_cfg.expected_size], texts)
     finally:
         model.train(was_training)
     out["time/eval_s"] = time.perf_counter() - t0
     return out
+
+
+def _accuracy(task: Task, examples: list[Example], texts: list[str]) -> float:
+    correct = [task.is_correct(ex, text) for ex, text in zip(examples, texts, strict=True)]
+    return sum(correct) / len(correct)
+
+
+def initial_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """`evaluate`'s metrics as logged for the policy before the first update: `eval/x` -> `eval/initial/x`."""
+    return {k.replace("eval/", "eval/initial/", 1) if k.startswith("eval/") else k: v for k, v in metrics.items()}

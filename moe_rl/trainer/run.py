@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import gc
 import math
 import time
@@ -49,7 +50,7 @@ from moe_rl.trainer.distributed import (
     state_dicts,
     wrap,
 )
-from moe_rl.trainer.evaluate import evaluate
+from moe_rl.trainer.evaluate import evaluate, initial_metrics
 from moe_rl.trainer.export import export_policy
 from moe_rl.trainer.logging import (
     CollapseAlerts,
@@ -275,10 +276,17 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     )
     metrics: dict[str, float] = {}
     steps_done = start
-    eval_examples = ctx.task.examples("eval", cfg.eval.size, cfg.eval.seed)
+    eval_examples = ctx.task.examples("eval", cfg.eval.prompts_needed, cfg.eval.seed)
     eval_prompts = [ctx.prompt(ex.prompt) for ex in eval_examples]
+    evaluation = functools.partial(
+        evaluate, ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, cfg.eval
+    )
+    # Before the first update, in step 0's row. A resumed run (start > 0) kept that row: not repeated.
+    initial = initial_metrics(evaluation()) if start == 0 and cfg.eval.enabled and cfg.eval.at_start else {}
     for step in bar:
         metrics = rl_step(ctx, step)
+        if step == start and initial:
+            metrics.update(initial)
         metrics.update(counts_by_kind(ctx.detector.events))
         metrics.update(blowup_counts(ctx.detector.events))
         steps_done = step + 1
@@ -287,11 +295,9 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         if new and cfg.collapse.stop_on_collapse:
             stopped_on = dataclasses.asdict(new[0])
         if cfg.eval.due(step, last or bool(stopped_on)):
-            metrics.update(
-                evaluate(
-                    ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, cfg.eval.seed
-                )
-            )
+            after = evaluation()
+            after["time/eval_s"] += metrics.get("time/eval_s", 0.0)  # the initial eval's, in step 0's row
+            metrics.update(after)
         local.log(step, metrics)
         wb.log(metrics, step=step)
         for event in new:

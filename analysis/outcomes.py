@@ -1,0 +1,170 @@
+"""Outcomes over a whole run from its expected-accuracy curve: the area under it and the time to regression.
+
+The curve is `eval/expected_accuracy` (moe_rl.trainer.evaluate: the teacher-forced probability of the
+canonical answer, free of sampling noise) against the number of updates done: the policy before the
+first update (`eval/initial/expected_accuracy` in step 0's row) at 0, and the evaluation logged in the
+row of RL step s at s + 1.
+
+| quantity | per run |
+|---|---|
+| expected-acc AUC | trapezoid area under the curve divided by its span in updates (last - first eval), so it is the run's mean expected accuracy over training; nan with fewer than two evals |
+| time to regression | the first eval (in updates) at which expected accuracy is below `REGRESSION_FRAC` (0.8) x its value before the first update and stays below at the next eval too (*sustained*, two evals in a row); censored at the last eval when that never happens; unknown (left out) without a pre-update eval |
+
+Across two arms: the AUC difference a - b, paired by seed when both ran the same seeds (paired t, else
+Welch; analysis.pairs.outcome_difference), and the log-rank test of time to regression
+(analysis.stats.logrank; it treats the arms' runs as independent samples, ignoring the pairing by seed).
+Runs that predate `eval/expected_accuracy` have neither: the comparisons leave them out, and leave the
+rows out when no run has them. A run without a pre-update eval (`eval.at_start=false`) has an AUC over
+its own evals but no regression time. A run stopped early (`collapse.stop_on_collapse`) averages over
+its shorter span: compare AUCs of runs with equal spans.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from analysis.load import Run
+from analysis.stats import MeanCI, logrank, mean_ci
+
+KEY = "eval/expected_accuracy"
+INITIAL_KEY = "eval/initial/expected_accuracy"
+REGRESSION_FRAC = 0.8
+"""A run has regressed when expected accuracy falls below this fraction of its pre-update value."""
+SUSTAINED = 2
+"""Consecutive evals below the threshold that make a regression sustained."""
+
+
+def expected_curve(run: Run) -> tuple[np.ndarray, np.ndarray]:
+    """(updates done, expected accuracy) at every eval of the run, the pre-update eval first when logged."""
+    updates, values = [], []
+    if run.rows and math.isfinite(_get(run.rows[0], INITIAL_KEY)):
+        updates.append(0.0)
+        values.append(_get(run.rows[0], INITIAL_KEY))
+    for row in run.rows:
+        if math.isfinite(_get(row, KEY)):
+            updates.append(float(row["step"]) + 1)
+            values.append(_get(row, KEY))
+    return np.array(updates, dtype=np.float64), np.array(values, dtype=np.float64)
+
+
+def _get(row: dict, key: str) -> float:
+    value = row.get(key, math.nan)
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def auc(run: Run) -> float:
+    """Trapezoid area under the expected-accuracy curve over its span in updates, divided by that span."""
+    t, v = expected_curve(run)
+    if t.size < 2:
+        return math.nan
+    return float(np.sum((t[1:] - t[:-1]) * (v[1:] + v[:-1]) / 2) / (t[-1] - t[0]))
+
+
+def regression_time(run: Run, frac: float = REGRESSION_FRAC, sustained: int = SUSTAINED) -> tuple[float, bool]:
+    """(updates, True) at the first of `sustained` consecutive evals below frac x the pre-update value;
+    (last eval's updates, False) when censored; (nan, False) without a pre-update eval."""
+    t, v = expected_curve(run)
+    if t.size == 0 or t[0] != 0:
+        return math.nan, False
+    below = v < frac * v[0]
+    for i in range(1, t.size - sustained + 1):
+        if below[i : i + sustained].all():
+            return float(t[i]), True
+    return float(t[-1]), False
+
+
+def regression_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
+    """Log-rank test of time to regression, a vs b, over the runs that have a pre-update eval: the
+    chi-square, p, observed and expected regressions per arm, and each run's (seed, time, regressed)."""
+    ta, tb = [(r.seed, *regression_time(r)) for r in a], [(r.seed, *regression_time(r)) for r in b]
+    res = logrank([x[1] for x in ta], [x[2] for x in ta], [x[1] for x in tb], [x[2] for x in tb])
+    return {
+        "chi2": res.chi2, "p": res.p, "test": res.test,
+        "regressed_a": res.observed_a, "expected_a": res.expected_a, "n_a": res.n_a,
+        "regressed_b": res.observed_b, "expected_b": res.expected_b, "n_b": res.n_b,
+        "per_seed_a": [{"seed": s, "updates": t, "regressed": e} for s, t, e in ta],
+        "per_seed_b": [{"seed": s, "updates": t, "regressed": e} for s, t, e in tb],
+    }  # fmt: skip
+
+
+def has_expected(runs: list[Run]) -> bool:
+    """Whether any of the runs logged `eval/expected_accuracy`."""
+    return any(KEY in row for r in runs for row in r.rows)
+
+
+def format_regression(row: dict[str, Any]) -> str:
+    """One cell: "regressed 2/5 vs 0/5, χ² = 2.3, p = 0.13 (log-rank)", or n/a."""
+    if row["n_a"] == 0 or row["n_b"] == 0:
+        return "n/a (no pre-update expected-accuracy eval)"
+    p = (f"χ² = {row['chi2']:.3g}, p = {row['p']:.3g}" if math.isfinite(row["p"])
+         else "untestable: no regression while both arms were at risk")
+    return f"regressed {row['regressed_a']}/{row['n_a']} vs {row['regressed_b']}/{row['n_b']}, {p} (log-rank)"
+
+
+def outcomes_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
+    """Per group: the expected-acc AUC (mean over seeds, 95% CI half-width, n), seeds regressed among those
+    with a pre-update eval, and every seed's AUC and (updates, regressed) under "per_seed"."""
+    table = {}
+    for label, runs in groups.items():
+        aucs, times = [auc(r) for r in runs], [regression_time(r) for r in runs]
+        ci = mean_ci(aucs)
+        known = [e for t, e in times if math.isfinite(t)]
+        table[label] = {
+            "seeds": [r.seed for r in runs], "auc": ci.mean, "auc_ci95": ci.half, "auc_n": ci.n,
+            "regressed": sum(known), "with_initial_eval": len(known),
+            "per_seed": {"seed": [r.seed for r in runs], "auc": aucs, "regression_updates": [t for t, _ in times],
+                         "regressed": [e for _, e in times]},
+        }  # fmt: skip
+    return table
+
+
+def format_outcomes(table: dict[str, dict[str, Any]]) -> str:
+    """Markdown, one row per group."""
+    lines = ["| run | seeds | expected-acc AUC | seeds with sustained regression | at updates |", "|---" * 5 + "|"]
+    for label, row in table.items():
+        ps = row["per_seed"]
+        at = ", ".join(f"{t:g} (seed {s})" for s, t, e in zip(ps["seed"], ps["regression_updates"], ps["regressed"],
+                                                              strict=True) if e)  # fmt: skip
+        reg = f"{row['regressed']}/{row['with_initial_eval']}" if row["with_initial_eval"] else "n/a"
+        lines.append(f"| {label} | {len(row['seeds'])} | {MeanCI(row['auc'], row['auc_ci95'], row['auc_n']).format(3)} "
+                     f"| {reg} | {at or '–'} |")
+    return "\n".join(lines) + (
+        f"\n\nAUC: trapezoid area under `{KEY}` against updates done (the pre-update eval at 0), over its span: the "
+        f"run's mean expected accuracy; mean ± 95% CI over seeds. Sustained regression: below {REGRESSION_FRAC:g} x "
+        f"the pre-update value at {SUSTAINED} evals in a row (n/a without a pre-update eval)."
+    )
+
+
+CAPTION = (
+    "Teacher-forced expected accuracy (`eval/expected_accuracy`) against updates done, the pre-update eval "
+    f"at 0; the dotted line of each color is {REGRESSION_FRAC:g} x that group's mean pre-update value."
+)
+
+
+def plot_expected_accuracy(groups: dict[str, list[Run]], out_dir: Path) -> Path:
+    """Mean expected-accuracy curve over seeds with its 95% t band per group, against updates done."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from analysis.figures import BAND, _band_plot, _colors, _finish, aggregate_columns
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, color in _colors(groups).items():
+        curves = [dict(zip(*expected_curve(r), strict=True)) for r in groups[label]]
+        x = np.array(sorted(set().union(*curves)), dtype=np.float64)
+        if x.size == 0:
+            continue
+        values_RC = np.array([[c.get(t, np.nan) for t in x] for c in curves], dtype=np.float64)
+        _, mean, lo, hi = aggregate_columns(values_RC)
+        _band_plot(ax, x, mean, lo, hi, color, label)
+        if x[0] == 0:
+            ax.axhline(REGRESSION_FRAC * mean[0], color=color, linestyle=":", linewidth=1)
+    ax.set(xlabel="updates done (RL steps)", ylabel=KEY)
+    ax.grid(alpha=0.3)
+    return _finish(fig, [ax], out_dir / "expected_accuracy.png", f"Expected accuracy (band: {BAND})")
