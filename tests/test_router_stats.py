@@ -59,3 +59,51 @@ def test_dead_expert_fraction_counts_experts_below_a_share_of_uniform_load():
     assert dead_expert_fraction(load, 1.01).tolist() == [0.75, 1.0]
     with pytest.raises(ValueError, match="min_share"):
         dead_expert_fraction(load, -0.1)
+
+
+def test_select_topk_without_bias_is_the_routers_own_choice_and_gates(tokenizer):
+    """On a Qwen3-MoE router, select_topk(logits, None or zero bias, k) gives the router's own ids, and
+    replay_gates at them its own gates: the hook change of moe_rl.routing.balance is a no-op at bias 0."""
+    from moe_rl.models import ModelConfig, build_model
+    from moe_rl.routing import replay_gates
+    from moe_rl.routing.balance import select_topk
+
+    model = build_model(ModelConfig(num_experts=16, top_k=4), tokenizer)
+    router = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter")
+    hidden_NH = torch.randn(50, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits_NE, scores_NK, ids_NK = router(hidden_NH)
+    for bias in (None, torch.zeros(16)):
+        ids = select_topk(logits_NE, bias, 4)
+        assert torch.equal(ids, ids_NK)
+        torch.testing.assert_close(replay_gates(router, logits_NE, ids), scores_NK, rtol=0, atol=1e-6)
+
+
+def test_select_topk_ranks_logits_plus_bias_like_a_float64_sort():
+    """Ids are the k largest of logits + bias (per-expert [E] or per-token [N, E]), largest first, as a float64 argsort gives; bad k or bias shape raises."""
+    from moe_rl.routing.balance import select_topk
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 32, generator=g)
+    for bias in (torch.randn(32, generator=g), 0.3 * torch.randn(40, 32, generator=g)):
+        expected = (logits.double() + bias.double()).argsort(dim=-1, descending=True)[:, :8]
+        assert torch.equal(select_topk(logits, bias, 8), expected)
+    big = torch.zeros(32)
+    big[5] = 100.0
+    assert (select_topk(logits, big, 1) == 5).all()  # a large enough bias wins every token
+    with pytest.raises(ValueError, match="k=33"):
+        select_topk(logits, None, 33)
+    with pytest.raises(ValueError, match="bias shape"):
+        select_topk(logits, torch.zeros(31), 2)
+
+
+def test_update_bias_moves_each_expert_by_gamma_toward_the_mean_load():
+    """Overloaded experts go down by γ, underloaded up by γ, ones at the mean stay (DeepSeek-V3 §2.1.2)."""
+    from moe_rl.routing.balance import update_bias
+
+    bias = torch.tensor([[0.0, 0.5, -0.5, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    load = torch.tensor([[10.0, 0.0, 4.0, 6.0], [3.0, 3.0, 3.0, 3.0]])  # means 5 and 3
+    new = update_bias(bias, load, 0.01)
+    torch.testing.assert_close(new, torch.tensor([[-0.01, 0.51, -0.49, -0.01], [1.0, 1.0, 1.0, 1.0]]))
+    assert torch.equal(bias, torch.tensor([[0.0, 0.5, -0.5, 0.0], [1.0, 1.0, 1.0, 1.0]]))  # not in place
+    with pytest.raises(ValueError, match="gamma"):
+        update_bias(bias, load, -1.0)
