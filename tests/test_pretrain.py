@@ -110,3 +110,29 @@ def test_pretrain_stream_is_fixed_by_the_seed_and_apart_from_the_band_search():
     assert draws(pretrain_mod.pretrain_stream(0)) == draws(pretrain_mod.pretrain_stream(0))
     assert draws(pretrain_mod.pretrain_stream(0)) != draws(pretrain_mod.pretrain_stream(1))
     assert draws(pretrain_mod.pretrain_stream(0)) != draws(random.Random(0))
+
+
+def test_fine128_preset_has_128_experts_top8_and_fines_active_compute():
+    """model=fine128 composes to 128 experts, top-8, with top_k x expert_ffn_size equal to fine's (and tiny's)."""
+    from test_train import compose_config
+
+    fine128, fine, tiny = (compose_config([f"model={m}"]).model for m in ("fine128", "fine", "tiny"))
+    assert (fine128.num_experts, fine128.top_k) == (128, 8)
+    assert fine128.top_k * fine128.expert_ffn_size == fine.top_k * fine.expert_ffn_size == tiny.top_k * tiny.expert_ffn_size
+    assert (fine128.num_layers, fine128.hidden_size) == (tiny.num_layers, tiny.hidden_size)
+
+
+def test_every_point_of_the_routers_sweep_composes():
+    """Each point of experiment=routers' sweep composes and validates; its pretraining arm turns pretraining on."""
+    import itertools
+
+    from omegaconf import OmegaConf
+    from test_train import CONF_DIR, compose_config
+
+    params = OmegaConf.load(Path(CONF_DIR) / "experiment" / "routers.yaml").hydra.sweeper.params
+    axes = [[f"{k}={v}" for v in str(vals).split(",")] for k, vals in params.items()]
+    for point in itertools.product(*axes):
+        cfg = compose_config(["+experiment=routers", *point])
+        assert cfg.experiment == "routers" and cfg.objective.name == "grpo"
+    cfg = compose_config(["+experiment=routers", "warmstart.pretrain_steps=200"])
+    assert (cfg.warmstart.pretrain_steps, cfg.warmstart.pretrain_aux_loss_coef) == (200, 0.01)
