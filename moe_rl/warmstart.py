@@ -30,9 +30,9 @@ Pretraining (`pretrain_steps` > 0, off by default): before the band search the m
 the broad mixture of every task family at every difficulty with load balancing (`moe_rl.pretrain`), so the
 band search fine-tunes a broadly trained, balanced MoE instead of a random one.
 
-Seeds: `seed` (the run seed) seeds torch's RNG, the stream of training demonstrations (pretraining has its
-own stream of the same seed) and the eval sampler's generator; `WarmStartConfig.seed` picks the held-out eval examples. Model weights start from
-`model_cfg` as given (its own `seed` field).
+Seeds: `seed` (the run seed) seeds torch's RNG, the stream of training demonstrations (pretraining has
+its own stream of the same seed) and the eval sampler's generator; `WarmStartConfig.seed` picks the
+held-out eval examples. Model weights start from `model_cfg` as given (its own `seed` field).
 
 Shape legend: B rows, S sequence length (prompt + response + EOS, right-padded), V vocabulary.
 """

@@ -136,3 +136,12 @@ def test_every_point_of_the_routers_sweep_composes():
         assert cfg.experiment == "routers" and cfg.objective.name == "grpo"
     cfg = compose_config(["+experiment=routers", "warmstart.pretrain_steps=200"])
     assert (cfg.warmstart.pretrain_steps, cfg.warmstart.pretrain_aux_loss_coef) == (200, 0.01)
+
+
+def test_pretraining_without_the_warm_start_is_refused():
+    """warmstart.pretrain_steps > 0 with warmstart.enabled=false raises ValueError naming both (never silently ignored)."""
+    from test_train import compose_config
+
+    with pytest.raises(ValueError, match=r"warmstart\.pretrain_steps=5 needs warmstart\.enabled=true"):
+        compose_config(["warmstart.enabled=false", "warmstart.pretrain_steps=5"])
+    assert compose_config(["warmstart.enabled=false"]).warmstart.pretrain_steps == 0
