@@ -24,6 +24,9 @@ Run from the repo root (CPU, 2 threads per build, as every warm start):
 
 Any Hydra override of the run config works in an arm or in `--overrides` (applied to every arm), e.g.
 `--overrides task=sort`. The warm starts are those a run with the same overrides and cache dir would use.
+`--data broad` teacher-forces the broad pretraining mixture (`BroadTask`, every family and difficulty)
+instead of the run's task: experts a pretrained model keeps for other families idle on one task, so the
+two tell domain specialisation from collapse.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from transformers import AutoTokenizer
 from moe_rl.models import build_model
 from moe_rl.rollout import position_ids_from_mask
 from moe_rl.routing import RoutingController, dead_expert_fraction, expert_load, margin_summary, router_margins
-from moe_rl.tasks import make_task
+from moe_rl.tasks import TASKS, BroadTask, make_task
 from moe_rl.train import to_config
 from moe_rl.warmstart import META_FILE, demonstration_batch, warm_start
 
@@ -63,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cache-dir", default="/tmp/router-probe-cache")
     p.add_argument("--n", type=int, default=256, help="held-out prompts to teacher-force")
     p.add_argument("--dead-share", type=float, default=0.1)
+    p.add_argument("--data", choices=["task", "broad"], default="task",
+                   help="teacher-force the run's task (default) or the broad pretraining mixture")
     p.add_argument("--out", default=None, help="JSON file for every number (per layer too)")
     return p.parse_args()
 
@@ -98,14 +103,14 @@ def probe(model_name: str, label: str, arm: list[str], args: argparse.Namespace)
     meta = json.loads((Path(ws.path) / META_FILE).read_text())
     model = build_model(dataclasses.replace(cfg.model, pretrained=ws.path))
     tokenizer = AutoTokenizer.from_pretrained(ws.path)
-    task = make_task(cfg.task.name, cfg.task.difficulty, cfg.task.mix)
+    task = make_task(cfg.task.name, cfg.task.difficulty, cfg.task.mix) if args.data == "task" else BroadTask(TASKS)
     ids_BS, mask_BS, _ = demonstration_batch(tokenizer, task, task.examples("eval", args.n, cfg.eval.seed))
     ctl = RoutingController(model)
     with torch.no_grad(), ctl.record(with_logits=True) as rec:
         model(input_ids=ids_BS, attention_mask=mask_BS, position_ids=position_ids_from_mask(mask_BS))
     stats = router_stats(rec.trace, mask_BS, ctl.top_k, args.dead_share)
     return dict(
-        model=model_name, arm=label, overrides=overrides, path=ws.path, cached=ws.cached,
+        model=model_name, arm=label, data=args.data, overrides=overrides, path=ws.path, cached=ws.cached,
         accuracy=ws.accuracy, steps=ws.steps, pretrain_steps=meta.get("pretrain_steps", 0),
         build_seconds=meta["seconds"], wall_seconds=wall, experts=ctl.num_experts, top_k=ctl.top_k,
         tokens=int(mask_BS.sum()), **stats,
