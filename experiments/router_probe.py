@@ -43,7 +43,13 @@ from transformers import AutoTokenizer
 
 from moe_rl.models import build_model
 from moe_rl.rollout import position_ids_from_mask
-from moe_rl.routing import RoutingController, dead_expert_fraction, expert_load, margin_summary, router_margins
+from moe_rl.routing import (
+    RoutingController,
+    dead_expert_fraction,
+    expert_load,
+    margin_summary,
+    router_margins,
+)
 from moe_rl.tasks import TASKS, BroadTask, make_task
 from moe_rl.train import to_config
 from moe_rl.warmstart import META_FILE, demonstration_batch, warm_start
@@ -84,7 +90,7 @@ def router_stats(trace, mask_BS: torch.Tensor, top_k: int, dead_share: float) ->
         dead_share=float(dead_expert_fraction(load["tokens_per_expert"], dead_share).mean()),
         dead_share_by_layer=dead_expert_fraction(load["tokens_per_expert"], dead_share).tolist(),
         margin=margin_summary(margin_NL),
-        margin_median_by_layer=[margin_summary(margin_NL[:, l])["median"] for l in range(margin_NL.shape[1])],
+        margin_median_by_layer=[margin_summary(m_N)["median"] for m_N in margin_NL.T],
     )
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 from test_warmstart import FAST, TINY, _weights
+from transformers import AutoTokenizer
 
 import moe_rl.pretrain as pretrain_mod
 from moe_rl.models import ModelConfig
