@@ -12,6 +12,7 @@ the `RoutingController`, and reports over every non-padding token (prompts and a
 | `dead<s` | experts whose load is below s x the uniform load (`dead_expert_fraction`, s = `--dead-share`) |
 | `margin med`, `margin p10` | median / 10th percentile of z_(k) - z_(k+1), the k-th minus (k+1)-th router logit (`router_margins`), pooled over tokens and layers |
 | `<0.1` | fraction of those margins below 0.1 |
+| `logit sd` | median over tokens and layers of the std of the E router logits: the scale margins are read against |
 | `steps`, `pre`, `acc`, `build s` | band-search steps, pretraining steps, held-out accuracy of the warm start, seconds its build took (from warmstart.json when cached) |
 
 Run from the repo root (CPU, 2 threads per build, as every warm start):
@@ -91,6 +92,7 @@ def router_stats(trace, mask_BS: torch.Tensor, top_k: int, dead_share: float) ->
         dead_share_by_layer=dead_expert_fraction(load["tokens_per_expert"], dead_share).tolist(),
         margin=margin_summary(margin_NL),
         margin_median_by_layer=[margin_summary(m_N)["median"] for m_N in margin_NL.T],
+        logit_sd=float(trace.router_logits_BTLE[mask_BS.bool()].double().std(-1).median()),
     )
 
 
@@ -125,15 +127,15 @@ def probe(model_name: str, label: str, arm: list[str], args: argparse.Namespace)
 
 def table(rows: list[dict], dead_share: float) -> str:
     """The rows as a markdown table (the module docstring's columns)."""
-    head = (f"| model | E/k | arm | cv | dead | dead<{dead_share:g} | margin med | margin p10 | <0.1 | steps | pre "
-            "| acc | build s |")
+    head = (f"| model | E/k | arm | cv | dead | dead<{dead_share:g} | margin med | margin p10 | <0.1 | logit sd "
+            "| steps | pre | acc | build s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         m = r["margin"]
         lines.append(
             f"| {r['model']} | {r['experts']}/{r['top_k']} | {r['arm']} | {r['cv']:.2f} | {r['dead']:.2f} | "
             f"{r['dead_share']:.2f} | {m['median']:.3f} | {m['p10']:.3f} | {m['frac_below']:.2f} | "
-            f"{r['steps']} | {r['pretrain_steps']} | {r['accuracy']:.2f} | {r['build_seconds']:.0f} |"
+            f"{r['logit_sd']:.3f} | {r['steps']} | {r['pretrain_steps']} | {r['accuracy']:.2f} | {r['build_seconds']:.0f} |"
         )
     return "\n".join(lines)
 
