@@ -47,6 +47,7 @@ from moe_rl.routing import (
     expert_change_fraction,
     expert_load,
     logit_noise,
+    margin_summary,
     predicted_change,
     router_margins,
 )
@@ -199,9 +200,7 @@ def calibrate(
                    "aux": ctx.cfg.model.router_aux_loss_coef, "task": ctx.cfg.task.name, "objective": ctx.cfg.objective.name,
                    "mini_batches": M, "batches": batches, "rl_steps": rl_steps, "lr": ctx.cfg.trainer.lr},
         "router": {
-            "margin_median": float(m.median()) if m.numel() else math.nan,
-            "margin_p10": float(torch.quantile(m, 0.1)) if m.numel() else math.nan,
-            "margin_frac_below_0.1": float((m < 0.1).double().mean()) if m.numel() else math.nan,
+            **{f"margin_{k}": v for k, v in margin_summary(m).items()},
             "load_cv": float(torch.stack([x["cv"] for x in loads]).mean()),
             "dead_frac": float(torch.stack([x["dead_frac"] for x in loads]).mean()),
         },
@@ -240,7 +239,7 @@ def write_report(result: dict, out: Path) -> None:
     natural = [x for x in rows if x["kind"] == "natural"]
     lines = [f"# Calibration: {result['config']}", "",
              f"Router margins z_(k) - z_(k+1): median {r['margin_median']:.3f}, p10 {r['margin_p10']:.3f}, "
-             f"{100 * r['margin_frac_below_0.1']:.1f}% below 0.1; load CV {r['load_cv']:.2f}, dead experts "
+             f"{100 * r['margin_frac_below']:.1f}% below 0.1; load CV {r['load_cv']:.2f}, dead experts "
              f"{100 * r['dead_frac']:.1f}%.", "",
              "| injection | scale | expert change | mean \\|Δlogp\\| | p99 \\|Δlogp\\| | predicted by margins |",
              "|---|---|---|---|---|---|"]

@@ -375,6 +375,11 @@ class Config:
             raise ValueError(
                 "task.chat_template=true needs warmstart.enabled=false: the warm start trains on plain prompts"
             )
+        if self.warmstart.pretrain_steps and not self.warmstart.enabled:
+            raise ValueError(
+                f"warmstart.pretrain_steps={self.warmstart.pretrain_steps} needs warmstart.enabled=true: "
+                "pretraining is the warm start's first stage"
+            )
         if t.device not in ("cpu", "cuda") and not t.device.startswith("cuda:"):
             raise ValueError(f"trainer.device={t.device!r}: expected cpu or cuda[:N]")
         c = self.collapse

@@ -26,9 +26,13 @@ read-only cache is usable). Concurrent builders (Hydra sweep jobs) serialise on 
 directory and renames it into place, so the final name only ever holds a complete result, and a caller
 that waited on the lock loads it. A failed build removes its lock file.
 
-Seeds: `seed` (the run seed) seeds torch's RNG, the stream of training demonstrations and the eval
-sampler's generator; `WarmStartConfig.seed` picks the held-out eval examples. Model weights start from
-`model_cfg` as given (its own `seed` field).
+Pretraining (`pretrain_steps` > 0, off by default): before the band search the model first trains on
+the broad mixture of every task family at every difficulty with load balancing (`moe_rl.pretrain`), so the
+band search fine-tunes a broadly trained, balanced MoE instead of a random one.
+
+Seeds: `seed` (the run seed) seeds torch's RNG, the stream of training demonstrations (pretraining has
+its own stream of the same seed) and the eval sampler's generator; `WarmStartConfig.seed` picks the
+held-out eval examples. Model weights start from `model_cfg` as given (its own `seed` field).
 
 Shape legend: B rows, S sequence length (prompt + response + EOS, right-padded), V vocabulary.
 """
@@ -111,6 +115,19 @@ class WarmStartConfig:
     shared by all run seeds (as every arm of the paper starts from one checkpoint); run seeds then vary
     only RL's sampling and shuffling, and one build serves a whole sweep. The cache key holds the seed
     used, not this field: build_seed=3 reuses the entry a run with seed=3 built."""
+    pretrain_steps: int = 0
+    """Optimizer steps of *pretraining* on the broad mixture (`moe_rl.tasks.BroadTask`: every task family
+    at every difficulty) before the band search on the run's task, with load balancing on
+    (`pretrain_aux_loss_coef`), so the routers start like a pretrained MoE's: trained on broad data,
+    balanced. 0 (default) skips it: the warm start is the task-only one that published results used, and
+    its cache keys are unchanged. Uses `batch_size` and `lr`; the band search then starts a fresh AdamW,
+    as fine-tuning a pretrained checkpoint does (`moe_rl.pretrain`)."""
+    pretrain_aux_loss_coef: float = 0.01
+    """Load-balancing coefficient of pretraining only (the family's aux loss, transformers'
+    load_balancing_loss_func). Separate from `model.router_aux_loss_coef`, which also enters the band
+    search and every RL update: a pretrained MoE is balanced in pretraining whatever its fine-tuning
+    does. 0.01 is Switch Transformer's and OLMoE's coefficient. Ignored (and not in the cache key) when
+    `pretrain_steps` = 0."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -132,6 +149,10 @@ class WarmStartConfig:
             raise ValueError(f"warmstart.seed={self.seed}: must be >= 0")
         if self.build_seed is not None and self.build_seed < 0:
             raise ValueError(f"warmstart.build_seed={self.build_seed}: must be >= 0 or null")
+        if self.pretrain_steps < 0:
+            raise ValueError(f"warmstart.pretrain_steps={self.pretrain_steps}: must be >= 0 (0 = no pretraining)")
+        if not self.pretrain_aux_loss_coef >= 0:
+            raise ValueError(f"warmstart.pretrain_aux_loss_coef={self.pretrain_aux_loss_coef}: must be >= 0")
 
 
 @dataclass
@@ -168,10 +189,13 @@ def cache_key(
     The device type (cpu, cuda) is part of it: kernels differ, so do the weights. The thread count is
     not: builds run on BUILD_THREADS threads whatever the caller's setting. A non-empty `mix` (task.mix,
     order and repeats included: both change the draws) is; an empty one adds nothing, so the keys of
-    single-difficulty entries are those they had before task.mix existed.
+    single-difficulty entries are those they had before task.mix existed. Likewise the pretraining fields
+    enter only when `pretrain_steps` > 0.
     """
     ws = asdict(ws_cfg)
     del ws["cache_dir"], ws["build_seed"]  # where it is kept; which seed builds it is `seed` below
+    if ws_cfg.pretrain_steps == 0:  # no pretraining: the keys entries had before it existed
+        del ws["pretrain_steps"], ws["pretrain_aux_loss_coef"]
     payload = dict(
         format=FORMAT_VERSION,
         device=torch.device(device).type,
@@ -217,11 +241,17 @@ def demonstration_batch(
 
 
 def demonstration_loss(
-    model: PreTrainedModel, input_ids_BS: torch.Tensor, mask_BS: torch.Tensor, labels_BS: torch.Tensor
+    model: PreTrainedModel,
+    input_ids_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    labels_BS: torch.Tensor,
+    aux_coef: float | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy over response tokens of the whole batch (token-level mean), plus
-    `router_aux_loss_coef` x the family's load-balancing loss when the model's config sets it > 0."""
-    aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0
+    `aux_coef` x the family's load-balancing loss when it is > 0; `aux_coef` None means the model
+    config's `router_aux_loss_coef` (pretraining passes its own, `warmstart.pretrain_aux_loss_coef`)."""
+    if aux_coef is None:
+        aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0
     out = model(
         input_ids=input_ids_BS[:, :-1],
         attention_mask=mask_BS[:, :-1],
@@ -440,7 +470,13 @@ def _build(
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             model = build_model(model_cfg, tokenizer).to(device)
+            pre_stats = {}
+            if ws_cfg.pretrain_steps > 0:
+                from moe_rl.pretrain import pretrain  # imported here: it uses this module's demonstrations
+
+                pre_stats = pretrain(model, tokenizer, ws_cfg, seed, progress)
             accuracy, steps, stats = _train(model, tokenizer, task, ws_cfg, seed, max_new_tokens, progress)
+            stats.update(pre_stats)
     finally:
         torch.set_num_threads(threads)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))

@@ -10,6 +10,8 @@
 | `router_margins(z, k)` | per token and layer: z_(k) - z_(k+1), the k-th minus the (k+1)-th largest router logit |
 | `predicted_change(m, s, k)` | (1/K) mean Φ(-m / (s√2)): expert change that iid N(0, s²) logit noise causes at those margins |
 | `centred_shift_sq(a, b)` | Σ over tokens, layers, experts of (Δz - mean_e Δz)², Δz = a - b: a logit shift that can re-route |
+| `margin_summary(margin_N)` | median, 10th percentile and fraction below 0.1 of pooled margins |
+| `dead_expert_fraction(load_LE, s)` | per layer: fraction of experts whose load is below s x the uniform load N K / E |
 
 Shape legend: B rows, T tokens, L layers, K top-k, E experts, N valid tokens.
 """
@@ -100,16 +102,51 @@ def router_entropy(trace: RoutingTrace, mask_BT: torch.Tensor) -> torch.Tensor:
     return (-(logp_NLE.exp() * logp_NLE).sum(-1)).mean(0).cpu()
 
 
-@torch.no_grad()
 def router_margins(logits_BTLE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """`[B, T, L]` float: the k-th minus the (k+1)-th largest router logit of each token and layer, the
-    logit gap a perturbation must close to swap an expert in and one out (`[..., E]` in, any leading
-    shape). Needs E > k."""
+    """`[B, T, L]`: the k-th minus the (k+1)-th largest router logit of each token and layer (>= 0).
+
+    A token flips one expert when a perturbation of its logits closes this gap: it is the distance to
+    natural re-routing. Softmax is monotone, so the order is that of the router's probabilities; ties
+    give 0. Computed in the logits' dtype promoted to at least float32. Differentiable (topk values).
+    Works on any leading shape `[..., E]`; raises ValueError unless 1 <= top_k < E.
+    """
     E = logits_BTLE.shape[-1]
-    if E <= top_k:
-        raise ValueError(f"router margins need more experts ({E}) than top-k ({top_k})")
-    top_BTLk = logits_BTLE.float().topk(top_k + 1, dim=-1).values
+    if not 1 <= top_k < E:
+        raise ValueError(f"router_margins: top_k={top_k} must be in [1, {E - 1}] for {E} experts")
+    z = logits_BTLE.to(torch.promote_types(logits_BTLE.dtype, torch.float32))
+    top_BTLk = torch.topk(z, top_k + 1, dim=-1, sorted=True).values
     return top_BTLk[..., top_k - 1] - top_BTLk[..., top_k]
+
+
+MARGIN_SMALL = 0.1
+"""`margin_summary`'s threshold for a near-tie (logit units)."""
+
+
+@torch.no_grad()
+def margin_summary(margin_N: torch.Tensor, small: float = MARGIN_SMALL) -> dict[str, float]:
+    """`median`, `p10` (10th percentile, linear interpolation) and `frac_below` (share of margins < `small`)
+    of a pool of margins (any shape, flattened); NaNs when the pool is empty."""
+    m = margin_N.detach().flatten().double()
+    if m.numel() == 0:
+        return dict(median=float("nan"), p10=float("nan"), frac_below=float("nan"))
+    return dict(
+        median=float(m.quantile(0.5)),
+        p10=float(m.quantile(0.1)),
+        frac_below=float((m < small).double().mean()),
+    )
+
+
+@torch.no_grad()
+def dead_expert_fraction(tokens_per_expert_LE: torch.Tensor, min_share: float = 0.0) -> torch.Tensor:
+    """`[L]`: fraction of experts whose load is below `min_share` x the uniform load (total / E) of
+    their layer; `min_share` = 0 counts experts that received no token at all (`expert_load`'s
+    `dead_frac`). Relative to uniform, so one threshold means the same for 8 and for 128 experts."""
+    if min_share < 0:
+        raise ValueError(f"dead_expert_fraction: min_share={min_share} must be >= 0")
+    load_LE = tokens_per_expert_LE.double()
+    uniform_L1 = load_LE.sum(1, keepdim=True) / load_LE.shape[1]
+    dead_LE = load_LE == 0 if min_share == 0 else load_LE < min_share * uniform_L1
+    return dead_LE.double().mean(1)
 
 
 def predicted_change(margins: torch.Tensor, scale: float, top_k: int) -> float:

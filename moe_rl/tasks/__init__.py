@@ -3,7 +3,8 @@
 Tasks: "arithmetic" (difficulty = operand digits, 1..6), "sort" (difficulty = item count, 2..32),
 "countdown" (difficulty = how many numbers, 2..6). Build one with `make_task(name, difficulty)`, or
 with `make_task(name, difficulty, mix)` one whose examples are drawn at the difficulties in `mix`
-(`MixedTask`, task.mix).
+(`MixedTask`, task.mix). `BroadTask(TASKS)` mixes every family at every difficulty (the warm start's
+pretraining data, `warmstart.pretrain_steps`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 from moe_rl.tasks.arithmetic import ArithmeticTask
 from moe_rl.tasks.base import ALPHABET, SPLITS, Example, Task, split_seed
+from moe_rl.tasks.broad import BroadTask
 from moe_rl.tasks.countdown import CountdownTask
 from moe_rl.tasks.mixed import MixedTask
 from moe_rl.tasks.sort import SortTask
@@ -35,6 +37,7 @@ __all__ = [
     "SPLITS",
     "TASKS",
     "ArithmeticTask",
+    "BroadTask",
     "CountdownTask",
     "Example",
     "MixedTask",

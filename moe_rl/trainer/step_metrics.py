@@ -13,6 +13,7 @@ from moe_rl.routing import (
     RoutingTrace,
     expert_change_fraction,
     expert_load,
+    margin_summary,
     noise_scale,
     predicted_change,
     router_entropy,
@@ -136,11 +137,11 @@ def margin_metrics(
     m_NL = torch.tensor(margins, dtype=torch.float64).reshape(-1, len(margins[0]) if margins else 1)
     out: dict[str, float] = {}
     if m_NL.numel():
-        flat = m_NL.flatten()
-        out["routing/margin/median"] = float(flat.median())
-        out["routing/margin/p10"] = float(torch.quantile(flat, 0.1))
-        out["routing/margin/frac_below_0.1"] = float((flat < 0.1).double().mean())
-        out.update({f"routing/margin/layer_{i}": float(v) for i, v in enumerate(m_NL.median(0).values)})
+        summary = margin_summary(m_NL)
+        out["routing/margin/median"] = summary["median"]
+        out["routing/margin/p10"] = summary["p10"]
+        out["routing/margin/frac_below_0.1"] = summary["frac_below"]
+        out.update({f"routing/margin/layer_{i}": float(v) for i, v in enumerate(m_NL.quantile(0.5, dim=0))})
     if shift:
         count = sum(n for _, n in shift)
         delta = math.sqrt(sum(q for q, _ in shift) / count) if count else math.nan
