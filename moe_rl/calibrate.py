@@ -2,6 +2,7 @@
 
     moe-rl-calibrate task=arithmetic model=tiny --out results/calibration
     moe-rl-calibrate model=fine model.router_aux_loss_coef=0.01 --lrs 1e-4,3e-4 --out results/cal_fine
+    moe-rl-calibrate --summarize results/calibration results/cal_fine --out results/cal_summary
 
 It takes the run's warm-started policy (the same Hydra config as `moe-rl-train`, warm start cached), runs
 `--rl-steps` real RL steps (5) so that AdamW has state (its first step from fresh state moves every weight
@@ -280,6 +281,42 @@ def write_report(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def summary_table(results: list[tuple[str, dict]]) -> str:
+    """One markdown row per calibration (name, calibration.json): the policy's routers and its natural
+    expert change and |Δ log π| after one update at each lr, and the logit-noise rows' measured against
+    predicted change."""
+    lrs = sorted({r["scale"] for _, res in results for r in res["rows"] if r["kind"] == "natural"})
+    head = ["policy", "experts / top-k / layers", "aux", "margin median", "p10", "< 0.1", "load CV", "dead",
+            *[f"change, lr {lr:g}" for lr in lrs], *[f"mean \\|Δlogp\\|, lr {lr:g}" for lr in lrs],
+            "logit noise: σ, measured / predicted"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, res in results:
+        c, r = res["config"], res["router"]
+        nat = {x["scale"]: x for x in res["rows"] if x["kind"] == "natural"}
+        noise = [x for x in res["rows"] if x["kind"] == "logit_noise"]
+        cells = [name, f"{c['experts']} / {c['top_k']} / {c['layers']}", f"{c['aux']:g}",
+                 f"{r['margin_median']:.3f}", f"{r['margin_p10']:.3f}", f"{100 * r['margin_frac_below']:.0f}%",
+                 f"{r['load_cv']:.2f}", f"{100 * r['dead_frac']:.0f}%",
+                 *[f"{100 * nat[lr]['expert_change']:.2f}%" if lr in nat else "" for lr in lrs],
+                 *[f"{nat[lr]['dlogp_mean']:.4f}" if lr in nat else "" for lr in lrs],
+                 ", ".join(f"{x['scale']:g}: {100 * x['expert_change']:.1f}% / {100 * x['predicted_change']:.1f}%"
+                           for x in noise)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _summarize(folders: list[Path], out: Path) -> None:
+    """`--summarize`: calibration_summary.md and .json over several calibration folders."""
+    missing = [str(f) for f in folders if not (f / "calibration.json").is_file()]
+    if missing:
+        sys.exit(f"moe-rl-calibrate: no calibration.json in {', '.join(missing)}")
+    results = [(f.name, json.loads((f / "calibration.json").read_text())) for f in folders]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibration_summary.md").write_text(summary_table(results))
+    (out / "calibration_summary.json").write_text(json.dumps(dict(results), indent=1, allow_nan=False))
+    print(f"{len(results)} calibrations summarised in {out}/calibration_summary.md")
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -296,7 +333,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="real RL steps at trainer.lr before calibrating, so the optimizer has state (default 5)")
     for kind, default in DEFAULTS.items():
         parser.add_argument(f"--{kind.replace('_', '-')}", type=_floats, default=default, dest=kind)
+    parser.add_argument("--summarize", type=Path, nargs="+", metavar="DIR",
+                        help="instead of calibrating: one table over these calibration folders, into --out")
     args = parser.parse_args(argv)
+    if args.summarize:
+        _summarize(args.summarize, args.out)
+        return
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         try:
             cfg = to_config(compose(config_name="config", overrides=args.overrides))

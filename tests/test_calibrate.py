@@ -22,7 +22,8 @@ def test_matched_interpolates_log_log_between_measured_scales():
 
 def test_calibration_runs_end_to_end_and_noise_grows_with_sigma(tmp_path):
     """A tiny calibration writes json, markdown and a figure; logit noise's change grows with σ and with
-    staleness, drift and weight noise move routing, and every row pools the same measured tokens."""
+    staleness, drift and weight noise move routing, and every row pools the same measured tokens; the
+    summary of calibrations tabulates its natural change."""
     main([*TINY, "--batches", "1", "--rl-steps", "1", "--lrs", "1e-2", "--drift", "0.1", "--logit-noise", "0.05,0.5",
           "--weight-noise", "0.01", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "calibration.json").read_text())
@@ -38,6 +39,9 @@ def test_calibration_runs_end_to_end_and_noise_grows_with_sigma(tmp_path):
     assert result["config"]["rl_steps"] == 1
     assert "| logit_noise | 0.5 |" in (tmp_path / "calibration.md").read_text()
     assert (tmp_path / "calibration.png").stat().st_size > 10_000
+    main(["--summarize", str(tmp_path), "--out", str(tmp_path / "summary")])
+    row = (tmp_path / "summary" / "calibration_summary.md").read_text().splitlines()[2].split(" | ")
+    assert row[1] == "8 / 2 / 2" and row[8] == f"{100 * rows['natural', 0.01]['expert_change']:.2f}%"
 
 
 def test_calibration_refuses_a_perturbed_config(tmp_path):
