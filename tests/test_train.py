@@ -69,32 +69,39 @@ def test_objective_presets_set_paper_clip_ranges_and_replay():
     assert (gspo.objective.clip_low, gspo.objective.clip_high) == (3e-4, 4e-4)
 
 
-@pytest.mark.parametrize(
-    "override, field",
-    [
-        ("trainer.mini_batches=3", "trainer.mini_batches"),
-        ("model.top_k=99", "model.top_k"),
-        ("routing.replay=sometimes", "routing.replay"),
-        ("objective.name=ppo", "objective.name"),
-        ("sampler.max_new_tokens=2", "sampler.max_new_tokens"),
-        ("trainer.sampler_dtype=bfloat16 trainer.reuse_sampler_logp=true", "trainer.reuse_sampler_logp"),
-        ("routing.drift=1.5", "routing.drift"),
-        ("routing.drift=nan", "routing.drift"),
-        ("routing.drift_from_minibatch=0", "routing.drift_from_minibatch"),
-        ("trainer.group_minibatches=true trainer.prompts_per_step=6", "trainer.group_minibatches"),
-        ("warmstart.build_seed=-1", "warmstart.build_seed"),
-        ("eval.expected_size=-1", "eval.expected_size"),
-        ("objective=gmpo objective.loss_agg=token-mean", "objective.loss_agg"),
-    ],
-)
-def test_invalid_config_fails_fast_with_field_name(tmp_path, override, field):
-    """A bad value exits with code 2 and one error line naming the field, before any run files are written."""
-    proc = subprocess.run([sys.executable, "-m", "moe_rl.train", *override.split(), f"hydra.run.dir={tmp_path}/run"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and field in lines[0], proc.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+INVALID = [
+    ("trainer.mini_batches=3", "trainer.mini_batches"),
+    ("model.top_k=99", "model.top_k"),
+    ("routing.replay=sometimes", "routing.replay"),
+    ("objective.name=ppo", "objective.name"),
+    ("sampler.max_new_tokens=2", "sampler.max_new_tokens"),
+    ("trainer.sampler_dtype=bfloat16 trainer.reuse_sampler_logp=true", "trainer.reuse_sampler_logp"),
+    ("routing.drift=1.5", "routing.drift"),
+    ("routing.drift=nan", "routing.drift"),
+    ("routing.drift_from_minibatch=0", "routing.drift_from_minibatch"),
+    ("trainer.group_minibatches=true trainer.prompts_per_step=6", "trainer.group_minibatches"),
+    ("warmstart.build_seed=-1", "warmstart.build_seed"),
+    ("eval.expected_size=-1", "eval.expected_size"),
+    ("objective=gmpo objective.loss_agg=token-mean", "objective.loss_agg"),
+    ("routing.noise_scope=sampler", "routing.noise_scope"),
+]
+
+
+def test_invalid_config_fails_fast_with_field_name(tmp_path):
+    """Each bad value exits with code 2 and one error line naming its field, before any run files are
+    written (the cases run as parallel processes: each is mostly the import of torch and transformers)."""
+    procs = []
+    for i, (override, field) in enumerate(INVALID):
+        run = tmp_path / f"run{i}"
+        cmd = [sys.executable, "-m", "moe_rl.train", *override.split(), f"hydra.run.dir={run}"]
+        procs.append((override, field, run, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                             text=True)))
+    for override, field, run, proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, (override, err)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and field in lines[0], (override, err)
+        assert not (run / "metrics.jsonl").exists(), override
 
 
 def test_type_error_names_field(tmp_path):
