@@ -43,18 +43,24 @@ from tqdm import tqdm
 from moe_rl.objectives import group_advantages
 from moe_rl.rollout import response_logprobs
 from moe_rl.routing import (
-    LogitNoise,
     RoutingTrace,
     expert_change_fraction,
     expert_load,
-    logit_noise,
     margin_summary,
     predicted_change,
     router_margins,
 )
-from moe_rl.rollout.forward import position_ids_from_mask
+from moe_rl.trainer.perturb import step_noise
 from moe_rl.trainer.run import _context
-from moe_rl.trainer.step import Batch, StepContext, _old_policy, _response_positions, _rollout, _update, rl_step
+from moe_rl.trainer.step import (
+    Batch,
+    StepContext,
+    _old_policy,
+    _response_positions,
+    _rollout,
+    _update,
+    rl_step,
+)
 
 KINDS = ("drift", "logit_noise", "logit_noise_staleness", "weight_noise")
 DEFAULTS = {
@@ -116,9 +122,7 @@ def _weight_noise(ctx: StepContext, sigma: float, seed: int):
 
 
 def _noise(ctx: StepContext, batch: Batch, sl: slice, step: int, scale: float):
-    eps = logit_noise(ctx.cfg.seed, step, batch.rows_B[sl], position_ids_from_mask(batch.attention_mask_BS[sl][:, :-1]),
-                      ctx.controller.num_layers, ctx.controller.num_experts)
-    return lambda: ctx.controller.noise(LogitNoise(eps, scale))
+    return lambda: ctx.controller.noise(step_noise(ctx, step, batch, sl, scale))
 
 
 def _compare(meas: _Measure, key, ref, got, resp_bS1, mask_bR) -> None:

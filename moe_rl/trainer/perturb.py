@@ -51,6 +51,11 @@ def noising(ctx: StepContext, step: int, batch: Batch, sl: slice, forward: str, 
     scale = noise_scale(r.logit_noise, r.noise_growth, minibatch)
     if not (on and scale > 0):
         return contextlib.nullcontext()
+    return ctx.controller.noise(step_noise(ctx, step, batch, sl, scale))
+
+
+def step_noise(ctx: StepContext, step: int, batch: Batch, sl: slice, scale: float) -> LogitNoise:
+    """The step's logit noise ε for the forward over rows `sl` (every position it sees), at `scale`."""
     mask_bS1 = batch.attention_mask_BS[sl][:, :-1]
     eps = logit_noise(
         ctx.cfg.seed,
@@ -60,7 +65,7 @@ def noising(ctx: StepContext, step: int, batch: Batch, sl: slice, forward: str, 
         ctx.controller.num_layers,
         ctx.controller.num_experts,
     )
-    return ctx.controller.noise(LogitNoise(eps, scale))
+    return LogitNoise(eps, scale)
 
 
 @torch.no_grad()
