@@ -20,6 +20,7 @@ import torch
 from moe_rl.errors import RunError, one_line
 from moe_rl.trainer.checkpoint import (
     CHECKPOINT,
+    CORRUPT,
     MAGIC,
     PREVIOUS,
     TMP,
@@ -82,6 +83,21 @@ def test_two_checkpoints_kept_and_corrupt_latest_falls_back_with_warning(tmp_pat
     (tmp_path / CHECKPOINT).write_bytes(bytes(data))
     with pytest.warns(RuntimeWarning, match=r"checksum mismatch.*previous checkpoint .*checkpoint\.prev\.pt \(step 1\)"):
         assert load_checkpoint(tmp_path)["step"] == 1
+
+
+def test_save_after_a_fallback_keeps_the_good_previous_checkpoint(tmp_path):
+    """After a resume falls back past a corrupt checkpoint.pt, the next save does not rotate that file over the good previous one."""
+    save_checkpoint(tmp_path, _state(1))
+    save_checkpoint(tmp_path, _state(2))
+    (tmp_path / CHECKPOINT).write_bytes((tmp_path / CHECKPOINT).read_bytes()[:-10])
+    with pytest.warns(RuntimeWarning, match=r"kept as checkpoint\.corrupt\.pt"):
+        assert load_checkpoint(tmp_path)["step"] == 1
+    save_checkpoint(tmp_path, _state(3))
+    assert load_checkpoint(tmp_path)["step"] == 3
+    (tmp_path / CHECKPOINT).write_bytes(b"")  # the new one lost too: the good step-1 copy is still there
+    with pytest.warns(RuntimeWarning, match=r"\(step 1\)"):
+        assert load_checkpoint(tmp_path)["step"] == 1
+    assert (tmp_path / CORRUPT).is_file()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "empty", "old_zip"])

@@ -8,7 +8,8 @@ crafted file can neither execute code nor pass a truncated or garbled payload of
 The last two checkpoints are kept: `checkpoint.pt` and `checkpoint.prev.pt`. A write goes to
 `.checkpoint.pt.tmp` (fsync'ed), the current checkpoint becomes the previous one, and the new one is
 renamed into place; a kill at any moment leaves at least one complete, verified checkpoint. On a
-corrupt latest checkpoint, `load_checkpoint` falls back to the previous one with a warning.
+corrupt latest checkpoint, `load_checkpoint` falls back to the previous one with a warning and moves
+the corrupt file to `checkpoint.corrupt.pt`, so the next save keeps the good previous one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from moe_rl.errors import RunError
 
 CHECKPOINT = "checkpoint.pt"
 PREVIOUS = "checkpoint.prev.pt"
+CORRUPT = "checkpoint.corrupt.pt"
+"""Where a corrupt checkpoint.pt is moved when a resume falls back past it, so the next save's rotation
+cannot turn it into checkpoint.prev.pt over the one good copy."""
 TMP = f".{CHECKPOINT}.tmp"
 MAGIC = b"MOERLCK1"
 """First bytes of a checkpoint in this format (older ones are plain torch zip files, starting b"PK")."""
@@ -145,8 +149,12 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
             errors.append(str(err))
             continue
         if errors:
+            moved = ""
+            with contextlib.suppress(OSError):  # a read-only folder: nothing will be saved over it either
+                os.replace(run_dir / CHECKPOINT, run_dir / CORRUPT)
+                moved = f" (the corrupt file is kept as {CORRUPT})"
             warnings.warn(
-                f"{errors[0]}; resuming from the previous checkpoint {path} (step {state['step']})",
+                f"{errors[0]}; resuming from the previous checkpoint {path} (step {state['step']}){moved}",
                 RuntimeWarning,
                 stacklevel=2,
             )
