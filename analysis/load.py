@@ -118,14 +118,17 @@ def unflatten(config: dict[str, Any]) -> dict[str, Any]:
 def find_run_dirs(sweep_dirs: Iterable[Path]) -> list[Path]:
     """Every folder under `sweep_dirs` (recursively, or the folder itself) with metrics.jsonl and summary.json.
 
-    A folder with metrics.jsonl but no summary.json (a failed, killed or unfinished run) is skipped with
-    a warning naming it. FileNotFoundError (one line) for a path that is not a folder.
+    A folder with metrics.jsonl but no summary.json (a failed, killed or unfinished run), or with
+    summary.json but no metrics.jsonl, is skipped with a warning naming it. FileNotFoundError (one line) for a path that is not a folder.
     """
     found: set[Path] = set()
     for root in sweep_dirs:
         root = Path(root)
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: no such folder")
+        for summary in root.rglob("summary.json"):
+            if not (summary.parent / "metrics.jsonl").exists() and ".hydra" not in summary.parts:
+                warnings.warn(f"skipping {summary.parent}: no metrics.jsonl", RuntimeWarning, stacklevel=2)
         for metrics in root.rglob("metrics.jsonl"):
             if (metrics.parent / "summary.json").exists():
                 found.add(metrics.parent)
@@ -176,7 +179,31 @@ def load_local(sweep_dirs: Iterable[Path], progress: bool = True) -> list[Run]:
             runs.append(read_local_run(d))
         except (BrokenRunError, CorruptLogError, ValueError) as err:
             warnings.warn(f"skipping {d}: {err}", RuntimeWarning, stacklevel=2)
-    return [r for r in runs if r.rows]
+    return drop_duplicate_seeds([r for r in runs if r.rows])
+
+
+NOT_SCIENCE = IGNORED - {"seed", "model.seed", "warmstart.seed"}
+"""Fields two copies of one run may differ in (where it ran, how it logged)."""
+
+
+def drop_duplicate_seeds(runs: list[Run]) -> list[Run]:
+    """`runs` less any whose config (seeds included, NOT_SCIENCE and logging left out) equals an earlier
+    one's: a copied or re-run folder is one seed, not two (which would also shrink its CI to ± 0). Each
+    dropped run is named in a warning."""
+    kept, seen = [], {}
+    for run in runs:
+        key = tuple(sorted((k, repr(_hashable(v))) for k, v in run.flat.items()
+                           if k not in NOT_SCIENCE and not k.startswith(IGNORED_PREFIXES)))
+        if key in seen:
+            warnings.warn(
+                f"skipping {run.source}: the same config and seed {run.seed} as {seen[key]}; one seed counts once",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        seen[key] = run.source
+        kept.append(run)
+    return kept
 
 
 # --- W&B -------------------------------------------------------------------------------------------
@@ -208,7 +235,7 @@ def load_wandb(path: str, group: str | None, progress: bool = True) -> list[Run]
     runs = [
         run_from_wandb(r) for r in tqdm(wb_runs, desc="loading W&B runs", disable=not progress, leave=False)
     ]
-    return [r for r in runs if r.rows]
+    return drop_duplicate_seeds([r for r in runs if r.rows])
 
 
 # --- grouping --------------------------------------------------------------------------------------

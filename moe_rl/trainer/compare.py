@@ -1,7 +1,8 @@
 """The comparison table printed at the end of a sweep (and by `moe-rl-compare SWEEP_DIR`).
 
 One row per objective preset and replay source (taken from each run's summary.json, never from
-folder names). Each cell is the mean over seeds ± the half-width of its 95% confidence interval
+folder names), split further by any command-line override that differs between its runs (a swept
+`trainer.lr=...`; seeds never split a row, and a seed found twice counts once). Each cell is the mean over seeds ± the half-width of its 95% confidence interval
 (Student t with n - 1 degrees of freedom, n the seeds with a finite value; analysis.stats.mean_ci):
 
 | column | from metrics.jsonl |
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -45,20 +47,31 @@ class BrokenRunError(ValueError):
 def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     """A run's summary.json and its metrics.jsonl rows (NaN/inf come back as floats).
 
-    Raises BrokenRunError naming the folder and the reason when either file is missing or corrupt (a
-    truncated last metrics line is only dropped, with a warning).
+    Raises BrokenRunError naming the folder and the reason when either file is missing, corrupt or
+    empty, when summary.json is not a run summary (an object with a "seed" and a "label", or the
+    "objective" and "replay" it is made of) or a metrics line
+    is not an object with a "step" (a truncated last metrics line is only dropped, with a warning).
     """
     if not (run_dir / "summary.json").is_file():
         reason = "failed.json: the run failed" if (run_dir / "failed.json").exists() else "unfinished or killed"
         raise BrokenRunError(f"{run_dir}: no summary.json ({reason})")
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
-        rows = [{k: from_json_number(v) for k, v in r.items()} for r in read_jsonl(run_dir / "metrics.jsonl")]
+        raw = read_jsonl(run_dir / "metrics.jsonl")
     except FileNotFoundError as err:
         raise BrokenRunError(f"{run_dir}: no {Path(err.filename).name}") from err
     except (CorruptLogError, ValueError) as err:
         raise BrokenRunError(f"{run_dir}: {err}") from err
-    return summary, rows
+    if isinstance(summary, dict) and "label" not in summary and {"objective", "replay"} <= summary.keys():
+        summary["label"] = f"{summary['objective']} (replay={summary['replay']})"  # as run_label writes it
+    if not isinstance(summary, dict) or not {"label", "seed"} <= summary.keys():
+        raise BrokenRunError(f"{run_dir}: summary.json is not a run summary (no label and seed)")
+    for i, row in enumerate(raw):
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise BrokenRunError(f"{run_dir}: metrics.jsonl row {i + 1} is not a metrics object with a step")
+    if not raw:
+        raise BrokenRunError(f"{run_dir}: metrics.jsonl has no rows")
+    return summary, [{k: from_json_number(v) for k, v in r.items()} for r in raw]
 
 
 def run_dirs(sweep_dir: Path) -> list[Path]:
@@ -69,14 +82,50 @@ def run_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(d for d in found if ".hydra" not in d.parts)
 
 
-def read_runs(sweep_dir: Path) -> list[tuple[dict, list[dict]]]:
-    """Every readable run under `sweep_dir`; each broken one is skipped with a warning naming it."""
-    runs = []
+NOT_A_GROUP = ("seed=", "resume=", "resume_force=", "trainer.threads=", "trainer.device=", "trainer.checkpoint_every=",
+               "warmstart.cache_dir=", "logger.", "hydra.", "+logger.", "+hydra.")
+"""Command-line overrides that never split the table (what analysis.load.IGNORED leaves out)."""
+
+
+def _overrides(run_dir: Path) -> tuple[str, ...]:
+    """The run's Hydra command-line overrides that can change its numbers (`.hydra/overrides.yaml`)."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return ()
+    from omegaconf import OmegaConf
+
+    listed = OmegaConf.to_container(OmegaConf.load(path))
+    return tuple(sorted(o for o in listed if isinstance(o, str) and not o.lstrip("~+").startswith(NOT_A_GROUP)))
+
+
+def read_runs(sweep_dir: Path) -> list[tuple[str, dict, list[dict]]]:
+    """(label, summary, rows) of every readable run under `sweep_dir`; each broken one is skipped with a
+    warning naming it. The label is the run's (objective preset and replay source) plus each override
+    whose value differs between its runs (a swept `trainer.lr=...`), so seeds are all a row averages over;
+    a second folder with the same label and seed (a copied run) is skipped with a warning naming both."""
+    found = []
     for run_dir in run_dirs(sweep_dir):
         try:
-            runs.append(read_run(run_dir))
+            found.append((run_dir, *read_run(run_dir), _overrides(run_dir)))
         except BrokenRunError as err:
             warnings.warn(f"skipping {err}", RuntimeWarning, stacklevel=2)
+    by_label: dict[str, list[tuple[str, ...]]] = defaultdict(list)
+    for _, summary, _, overrides in found:
+        by_label[summary["label"]].append(overrides)
+    runs, seen = [], {}
+    for run_dir, summary, rows, overrides in found:
+        shared = set.intersection(*(set(o) for o in by_label[summary["label"]]))
+        label = " ".join([summary["label"], *(o for o in overrides if o not in shared)])
+        if (label, summary["seed"]) in seen:
+            warnings.warn(
+                f"skipping {run_dir}: seed {summary['seed']} of {label} again (also {seen[label, summary['seed']]}); "
+                "one seed counts once",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        seen[label, summary["seed"]] = run_dir
+        runs.append((label, summary, rows))
     return runs
 
 
@@ -97,7 +146,7 @@ def last_value(rows: list[dict], key: str) -> float:
 def run_row(rows: list[dict]) -> dict[str, float]:
     """The table's columns for one run."""
     return {
-        "final reward": _mean([r["rollout/reward/mean"] for r in rows[-5:]]),
+        "final reward": _mean([r.get("rollout/reward/mean", math.nan) for r in rows[-5:]]),
         "final eval acc": last_value(rows, "eval/accuracy"),
         "final expected acc": last_value(rows, "eval/expected_accuracy"),
         "clip frac": _mean([r.get("clip/token_frac", math.nan) for r in rows]),
@@ -105,7 +154,7 @@ def run_row(rows: list[dict]) -> dict[str, float]:
         "expert change": _mean(
             [r.get("routing/expert_change/response_frac", r.get("routing/expert_change/frac", math.nan)) for r in rows]
         ),
-        "collapse events": rows[-1]["collapse/events"] if rows else math.nan,
+        "collapse events": rows[-1].get("collapse/events", math.nan) if rows else math.nan,
     }
 
 
@@ -117,10 +166,9 @@ def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
 
     by_label: dict[str, list[dict[str, float]]] = defaultdict(list)
     seeds: dict[str, list[int]] = defaultdict(list)
-    for summary, rows in read_runs(sweep_dir):
-        if rows:
-            by_label[summary["label"]].append(run_row(rows))
-            seeds[summary["label"]].append(summary["seed"])
+    for label, summary, rows in read_runs(sweep_dir):
+        by_label[label].append(run_row(rows))
+        seeds[label].append(summary["seed"])
     table = {}
     for label, runs in by_label.items():
         cis = {c: mean_ci([r[c] for r in runs]) for c in COLUMNS}
@@ -170,16 +218,31 @@ except ImportError:  # pragma: no cover - hydra is a dependency; keeps the modul
 
 
 class ComparisonTableCallback(Callback):
-    """Hydra callback: after a multirun, print the comparison table and save it as comparison.md."""
+    """Hydra callback: after a multirun, print the comparison table of the jobs that finished and save it
+    as comparison.md; then, if any job failed (left failed.json), name each and exit 1."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        table = comparison(sweep_dir)
-        if not table:
-            return
-        text = format_table(table)
-        (sweep_dir / "comparison.md").write_text(text + "\n")
-        print(f"\nComparison ({sweep_dir}):\n{text}")
+        failed = sorted(p for p in sweep_dir.rglob("failed.json") if ".hydra" not in p.parts)
+        with warnings.catch_warnings():
+            if failed:  # named once below, not also as "skipping ..." lines
+                warnings.filterwarnings("ignore", message=r"skipping .*failed\.json: the run failed")
+            table = comparison(sweep_dir)
+        if table:
+            text = format_table(table)
+            (sweep_dir / "comparison.md").write_text(text + "\n")
+            print(f"\nComparison ({sweep_dir}):\n{text}")
+        if failed:
+            jobs = len({p.parent for p in sweep_dir.glob("*/.hydra")}) or len(failed)
+            for path in failed:
+                try:
+                    error = json.loads(path.read_text())["error"].splitlines()[0]
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    error = "(unreadable failed.json)"
+                print(f"moe-rl-train: sweep job {path.parent.relative_to(sweep_dir)} failed: {error}", file=sys.stderr)
+            print(f"moe-rl-train: {len(failed)} of {jobs} sweep jobs failed; each folder's failed.json has the "
+                  "traceback", file=sys.stderr)
+            sys.exit(1)
 
 
 def main() -> None:
