@@ -10,9 +10,11 @@ Config groups live in `conf/`; the typed schema is `moe_rl.config.Config`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import traceback
+import typing
 import warnings
 from pathlib import Path
 
@@ -30,8 +32,26 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 ConfigStore.instance().store(name="schema", node=Config)
 
 
+def unknown_keys(cfg: DictConfig, schema: type, prefix: str = "") -> list[str]:
+    """Keys of `cfg` that `schema` (a dataclass, at any depth) has no field for. Hydra lets `+key=value`
+    add them, and `OmegaConf.to_object` would carry them along unused: a typo that silently does nothing."""
+    hints = typing.get_type_hints(schema)
+    unknown = []
+    for key in cfg:
+        if key not in hints:
+            unknown.append(f"{prefix}{key}")
+        elif dataclasses.is_dataclass(hints[key]) and isinstance(cfg[key], DictConfig):
+            unknown += unknown_keys(cfg[key], hints[key], f"{prefix}{key}.")
+    return unknown
+
+
 def to_config(cfg: DictConfig) -> Config:
     """Convert the composed config to the typed `Config` once, and validate it; ValueError names the field."""
+    if unknown := unknown_keys(cfg, Config):
+        raise ValueError(
+            f"{unknown[0]}: no such field in the schema (moe_rl/config.py); check the spelling"
+            + (f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else "")
+        )
     try:
         config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
@@ -58,13 +78,16 @@ def record_failure(run_dir: Path, err: BaseException) -> None:
 def main(cfg: DictConfig) -> float:
     """Validate, then train; returns the final mean reward (Hydra sweepers can optimise it).
 
-    In a sweep a failing job records failed.json and raises: Hydra's launchers then run the other jobs
-    and report the failure at the end (sys.exit would end the whole sweep at once).
+    In a sweep a failing job records failed.json and returns NaN: the launcher runs the other jobs, and
+    the end-of-sweep callback (moe_rl.trainer.compare.ComparisonTableCallback) prints the table of those
+    that finished, names the failed ones and exits 1. (A raise would make Hydra print a traceback and
+    skip the callback; sys.exit would end the whole sweep at once.)
     """
     warnings.formatwarning = _one_line_warning
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
     run_dir = Path(hc.runtime.output_dir)
+    (run_dir / "failed.json").unlink(missing_ok=True)  # from an earlier attempt at this job
     try:
         config = to_config(cfg)
         config.check_machine()
@@ -73,17 +96,21 @@ def main(cfg: DictConfig) -> float:
         if not sweeping:
             sys.exit(2)
         record_failure(run_dir, err)
-        raise
+        return float("nan")
     from moe_rl.trainer.run import train  # heavy imports only after the config is known to be good
 
     group = Path(hc.sweep.dir).name if sweeping else None
     try:
         summary = train(config, run_dir, wandb_group=group)
     except Exception as err:
+        message = one_line(err)  # a corrupt checkpoint, a refused resume, a full disk: no traceback
         if sweeping:
             record_failure(run_dir, err)
-            raise
-        message = one_line(err)  # a corrupt checkpoint, a refused resume, a full disk: no traceback
+            if message is None:
+                traceback.print_exception(err)  # a bug: its traceback, but the sweep goes on
+            else:
+                print(f"moe-rl-train: {message}", file=sys.stderr)
+            return float("nan")
         if message is None:
             raise
         print(f"moe-rl-train: {message}", file=sys.stderr)
