@@ -6,12 +6,14 @@ calls `Config.validate()`, which raises `ValueError` naming the first bad field 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from moe_rl.models.config import DTYPES, ModelConfig
 from moe_rl.objectives import OBJECTIVES, SPECS
@@ -333,6 +335,12 @@ class Config:
             raise ValueError(f"routing.drift_from_minibatch={self.routing.drift_from_minibatch}: must be >= 1")
         self._validate_noise()
         self.sampler.validate()
+        if self.sampler.temperature == 0:
+            raise ValueError(
+                "sampler.temperature=0 samples greedily, so every response of a group is the same, every "
+                "group-relative advantage is 0 and nothing trains: use a temperature > 0 (held-out eval "
+                "reports greedy accuracy on its own: eval/accuracy_greedy)"
+            )
         t = self.trainer
         for name in ("steps", "prompts_per_step", "mini_batches"):
             if getattr(t, name) < 1:
@@ -452,14 +460,32 @@ def check_finite(config: Any, prefix: str = "") -> None:
 
 
 def check_pretrained(pretrained: str | None) -> None:
-    """A `model.pretrained` that names a local folder must exist and hold a model (config.json);
-    anything else that looks like a path (absolute, ./, ../, ~) but is no folder is refused too."""
+    """A `model.pretrained` that names a local folder must exist and hold a model: a config.json that is
+    a JSON object naming its `model_type`, and safetensors weights whose headers read. Anything else that
+    looks like a path (absolute, ./, ../, ~) but is no folder is refused too. (A hub id is checked when
+    it loads: `moe_rl.models.build_model` reports a failed load in one line.)"""
     if not pretrained:
         return
     path = Path(pretrained).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        config = path / "config.json"
+        if not config.is_file():
             raise ValueError(f"model.pretrained={pretrained}: the folder holds no model (no config.json)")
+        try:
+            model_type = json.loads(config.read_text(errors="replace")).get("model_type")
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError(f"model.pretrained={pretrained}: {config} is not a JSON object") from None
+        if not model_type:
+            raise ValueError(f"model.pretrained={pretrained}: {config} names no model_type")
+        for weights in sorted(path.glob("*.safetensors")):
+            try:
+                with safe_open(str(weights), framework="pt"):
+                    pass
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+                raise ValueError(
+                    f"model.pretrained={pretrained}: {weights.name} is not a readable safetensors file "
+                    f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'unreadable'})"
+                ) from None
         return
     if path.exists() or pretrained.startswith(("/", "./", "../", "~", ".")):
         raise ValueError(f"model.pretrained={pretrained}: no such model folder")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from moe_rl.errors import RunError
 from moe_rl.models.config import ModelConfig
 
 
@@ -68,6 +72,17 @@ def _hf_config(
     raise ValueError(f"model.family={cfg.family!r}: unknown family")
 
 
+@contextlib.contextmanager
+def unloadable(pretrained: str, what: str) -> Iterator[None]:
+    """Turn any failure to load `pretrained` (a garbled file, a pickle that weights-only loading refuses,
+    an unknown architecture, no network for a hub id) into one RunError line naming the folder."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - transformers, safetensors and torch each raise their own types
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise RunError(f"model.pretrained={pretrained}: could not load the {what} ({type(err).__name__}: {first})") from err
+
+
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
     """Return a causal MoE LM (a transformers `PreTrainedModel`) in eval mode.
 
@@ -77,12 +92,13 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = No
     cfg.validate()
     dtype = getattr(torch, cfg.dtype)
     if cfg.pretrained:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.pretrained,
-            dtype=dtype,
-            attn_implementation=cfg.attn_impl,
-            experts_implementation=cfg.experts_impl,
-        )
+        with unloadable(cfg.pretrained, "model"):
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.pretrained,
+                dtype=dtype,
+                attn_implementation=cfg.attn_impl,
+                experts_implementation=cfg.experts_impl,
+            )
         # moe-rl's config decides the load-balancing loss, not the checkpoint's training-time value.
         model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
     else:

@@ -27,7 +27,8 @@ class SamplerConfig:
     """Sampling settings."""
 
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (log-probs are then reported at temperature 1)."""
+    """Softmax temperature; 0 means greedy (log-probs are then reported at temperature 1). RL refuses 0:
+    a greedy group has one response, so every advantage is 0."""
     top_p: float = 1.0
     """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p."""
     max_new_tokens: int = 32

@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from moe_rl.errors import RunError
+
 
 def jsonable(value: Any) -> Any:
     """`value` with every non-finite float, at any depth, replaced by its string ("nan", "inf", "-inf")."""
@@ -40,8 +42,9 @@ def from_json_number(value: Any) -> Any:
     return value
 
 
-class CorruptLogError(ValueError):
-    """A line of a JSONL log that is not JSON; the message names the file and the line."""
+class CorruptLogError(RunError, ValueError):
+    """A line of a JSONL log that is not JSON; the message names the file and the line. A RunError, so
+    a resume that meets one ends in that line, not a traceback."""
 
 
 def read_jsonl(path: Path) -> list[dict]:

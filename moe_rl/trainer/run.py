@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from moe_rl.config import Config
 from moe_rl.errors import RunError
 from moe_rl.models import build_model, build_tokenizer
+from moe_rl.models.build import unloadable
 from moe_rl.objectives import SPECS
 from moe_rl.routing import RoutingController
 from moe_rl.tasks import make_task
@@ -74,7 +75,8 @@ def run_label(cfg: Config) -> str:
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """A saved tokenizer, set up for batched sampling: left padding, and EOS as the pad token when it has
     none (Mixtral's): the sampler masks everything after a response's first EOS."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    with unloadable(path, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
