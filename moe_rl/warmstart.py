@@ -317,9 +317,11 @@ def _restore(model: PreTrainedModel, optim: torch.optim.Optimizer, snap: _Snapsh
         group["lr"] = lr
 
 
-def _postfix(steps: int, loss: float, accuracy: float, lr: float) -> dict[str, str]:
-    """Progress-bar fields: steps of the current weights, last training loss, last held-out accuracy, lr."""
-    return dict(step=str(steps), loss=f"{loss:.3f}", acc=f"{accuracy:.3f}", lr=f"{lr:.1e}")
+def _postfix(steps: int, loss: float, accuracy: float, lr: float, band: tuple[float, float]) -> dict[str, str]:
+    """Progress-bar fields: steps of the current weights, last training loss, last held-out accuracy
+    against the target band it must land in, lr."""
+    return dict(step=str(steps), loss=f"{loss:.3f}", acc=f"{accuracy:.3f}", target=f"[{band[0]:g}, {band[1]:g}]",
+                lr=f"{lr:.1e}")
 
 
 def _train(
@@ -342,11 +344,15 @@ def _train(
     below: _Snapshot | None = None  # last evaluation below the band
     above: _Snapshot | None = None  # overshoot closest to the band, returned only if the budget runs out
     history: list[dict[str, float]] = []
-    with tqdm(total=ws_cfg.max_steps, desc=f"warm start {task.name}", disable=not progress) as bar:
+    # The bar's total is the budget; a build usually stops well before it (sort_long: ~500 of 2000 steps).
+    desc = f"warm start {task.name} (once, then cached)"
+    with tqdm(total=ws_cfg.max_steps, desc=desc, unit="step", disable=not progress) as bar:
         while True:
+            bar.set_description(f"{desc}: held-out eval", refresh=True)  # minutes on a slow machine
             accuracy = heldout_accuracy(model, tokenizer, task, eval_examples, sampler_cfg, seed)
+            bar.set_description(desc, refresh=False)
             history.append(dict(step=steps, steps_total=steps_total, accuracy=accuracy, lr=lr, loss=loss))
-            bar.set_postfix(_postfix(steps, loss, accuracy, lr))
+            bar.set_postfix(_postfix(steps, loss, accuracy, lr, (low, high)))
             if low <= accuracy <= high:
                 break
             if accuracy < low:
@@ -371,7 +377,7 @@ def _train(
                 loss_t.backward()
                 optim.step()
                 loss, steps, steps_total = loss_t.item(), steps + 1, steps_total + 1
-                bar.set_postfix(_postfix(steps, loss, accuracy, lr), refresh=False)
+                bar.set_postfix(_postfix(steps, loss, accuracy, lr, (low, high)), refresh=False)
                 bar.update(1)
             model.eval()
     if not low <= accuracy <= high:
