@@ -12,6 +12,7 @@ import math
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,8 @@ import torch
 from test_train import TINY, compose_config
 
 from moe_rl.errors import RunError, one_line
-from moe_rl.trainer.checkpoint import CHECKPOINT, MAGIC, PREVIOUS, TMP, CheckpointError
+from moe_rl.trainer.checkpoint import CHECKPOINT, CORRUPT, MAGIC, PREVIOUS, TMP, CheckpointError, read_checkpoint
+from moe_rl.trainer.compare import comparison
 from moe_rl.trainer.run import train
 from moe_rl.warmstart import WarmStartConfig, warm_start_dir
 
@@ -203,7 +205,8 @@ def _garble(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("case", ["latest", "both", "metrics_last_line", "finished_resume", "changed_config"])
+@pytest.mark.parametrize("case", ["latest", "both", "metrics_last_line", "metrics_middle_line", "finished_resume",
+                                  "changed_config"])
 def test_corrupted_artifact_resumes_or_stops_in_one_line_and_loses_nothing(tmp_path, finished, fault_report, case):
     """Each corruption resumes with a message naming what it fell back from, or stops with one line; rows kept."""
     run_dir = _copy(finished, tmp_path)
@@ -217,6 +220,9 @@ def test_corrupted_artifact_resumes_or_stops_in_one_line_and_loses_nothing(tmp_p
     elif case == "metrics_last_line":
         text = (run_dir / "metrics.jsonl").read_text()
         (run_dir / "metrics.jsonl").write_text(text + text.splitlines()[-1][:40])
+    elif case == "metrics_middle_line":
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        (run_dir / "metrics.jsonl").write_text("\n".join([lines[0], lines[1][:30], *lines[2:]]) + "\n")
     elif case == "finished_resume":
         cfg = replace(cfg, trainer=finished[1].trainer)
     else:
@@ -236,6 +242,9 @@ def test_corrupted_artifact_resumes_or_stops_in_one_line_and_loses_nothing(tmp_p
         assert any("metrics.jsonl: dropping a truncated last line" in w for w in warned)
         assert [r["step"] for r in _rows(run_dir)] == [0, 1, 2, 3] and _rows(run_dir)[:3] == before
         what, kept = "half-written last line of metrics.jsonl", "every complete line; the run goes on"
+    elif case == "metrics_middle_line":
+        assert error and "metrics.jsonl, line 2: not JSON" in error and "fix or delete that line" in error
+        what, kept = "a corrupt line in the middle of metrics.jsonl, on resume", "the folder unchanged"
     elif case == "finished_resume":
         assert (run_dir / "summary.json").read_text() == summary_before and summary["final"]
         assert any("already finished" in w for w in warned)
@@ -244,6 +253,120 @@ def test_corrupted_artifact_resumes_or_stops_in_one_line_and_loses_nothing(tmp_p
         assert error and "objective.clip_high (0.27 -> 0.5), seed (0 -> 5)" in error and _rows(run_dir) == before
         what, kept = "`resume=true` with a changed config (objective, seed)", "the whole folder, .hydra/ included"
     fault_report(what, seen, kept)
+
+
+def test_resume_past_a_truncated_checkpoint_keeps_the_good_one_through_later_saves(tmp_path, finished, fault_report):
+    """A resume that falls back past a truncated checkpoint.pt sets it aside, so the saves after it never rotate it over the good checkpoint.prev.pt."""
+    run_dir = _copy(finished, tmp_path)
+    (run_dir / CHECKPOINT).write_bytes((run_dir / CHECKPOINT).read_bytes()[:-100])
+    cfg = replace(finished[1], resume=True, trainer=replace(finished[1].trainer, steps=4, checkpoint_every=0))
+    summary, error, warned = _train_catching(cfg, run_dir)
+    assert error is None and summary["steps_done"] == 4 and (run_dir / CORRUPT).is_file()
+    assert read_checkpoint(run_dir / PREVIOUS)["step"] == 2 and read_checkpoint(run_dir / CHECKPOINT)["step"] == 4
+    fault_report("truncated checkpoint.pt, resumed, then saved again",
+                 " / ".join(warned).replace(str(tmp_path), "RUN"),
+                 "checkpoint.prev.pt stays the good fallback (the corrupt file is kept aside as checkpoint.corrupt.pt)")
+
+
+def _pretrained_folder(tmp_path: Path, name: str) -> Path:
+    """A tiny Qwen3-MoE saved with save_pretrained (weights and tokenizer), to be damaged by a case."""
+    from moe_rl.models import ModelConfig, build_model, build_tokenizer
+
+    folder = tmp_path / name
+    tokenizer = build_tokenizer()
+    build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=2,
+                            top_k=1, expert_ffn_size=32), tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+class _Shell:
+    """Unpickling this runs `touch MARKER`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_unloadable_pretrained_folder_is_one_line(tmp_path, fault_report):
+    """model.pretrained with a garbage config.json or model.safetensors exits 2 at start-up, and a pickled pytorch_model.bin exits 1 when it loads, each in one stderr line naming the folder; no pickle runs."""
+    cases = {}
+    bad = _pretrained_folder(tmp_path, "config")
+    (bad / "config.json").write_text("{ not json")
+    cases["garbage `config.json` in a `model.pretrained` folder"] = (bad, 2, "is not a JSON object")
+    bad = _pretrained_folder(tmp_path, "safetensors")
+    (bad / "model.safetensors").write_bytes(os.urandom(4096))
+    cases["garbage `model.safetensors` in a `model.pretrained` folder"] = (bad, 2, "not a readable safetensors file")
+    bad = _pretrained_folder(tmp_path, "pickle")
+    (bad / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": _Shell(tmp_path / "MARKER")}, bad / "pytorch_model.bin")
+    cases["shell-command pickle as `pytorch_model.bin` in a `model.pretrained` folder"] = (bad, 1, "could not load the model")
+    procs = {what: subprocess.Popen([sys.executable, "-m", "moe_rl.train", f"model.pretrained={folder}",
+                                     "warmstart.enabled=false", "trainer.steps=1", "logger.wandb=false",
+                                     f"hydra.run.dir={tmp_path / ('run-' + folder.name)}"],
+                                    stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO, env=ENV)
+             for what, (folder, _, _) in cases.items()}
+    for what, proc in procs.items():
+        folder, code, says = cases[what]
+        err = proc.communicate(timeout=600)[1]
+        lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line]
+        assert proc.returncode == code and len(lines) == 1 and says in lines[0] and str(folder) in lines[0], (what, err)
+        fault_report(what, lines[0].replace(str(tmp_path), "DIR"), f"exit status {code}; nothing trained")
+    assert not (tmp_path / "MARKER").exists()
+
+
+def _tool_run(folder: Path, seed: int, rewards: list[float]) -> None:
+    """A finished run folder as moe-rl-train leaves it, as far as the tools read it (summary, metrics)."""
+    folder.mkdir(parents=True)
+    rows = [{"step": i, "rollout/reward/mean": r, "collapse/events": 0.0} for i, r in enumerate(rewards)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "summary.json").write_text(json.dumps({"label": "grpo (replay=off)", "objective": "grpo",
+                                                     "replay": "off", "seed": seed}))
+
+
+def test_compare_and_analyze_name_each_unusable_run_and_table_the_rest(tmp_path, fault_report):
+    """moe-rl-compare and moe-rl-analyze over a sweep with empty, missing, malformed and duplicated runs: one warning naming each, a table of the good seeds, no crash."""
+    from analysis.cli import main as analyze_main
+
+    sweep = tmp_path / "sweep"
+    for seed in (0, 1, 2):
+        _tool_run(sweep / str(seed), seed, [0.1 * seed, 0.2 * seed])
+    shutil.copytree(sweep / "0", sweep / "0-copy")
+    damage = {
+        "empty `metrics.jsonl`": ("empty", lambda d: (d / "metrics.jsonl").write_text("")),
+        "no `metrics.jsonl`": ("no-metrics", lambda d: (d / "metrics.jsonl").unlink()),
+        "`summary.json` holding `{}`": ("summary-obj", lambda d: (d / "summary.json").write_text("{}")),
+        "`summary.json` holding `[]`": ("summary-list", lambda d: (d / "summary.json").write_text("[]")),
+        "a JSON array as a metrics line": ("array-line", lambda d: (d / "metrics.jsonl").write_text("[1, 2]\n")),
+    }
+    for name, change in damage.values():
+        _tool_run(sweep / name, 7, [0.5])
+        change(sweep / name)
+    _tool_run(sweep / "no-reward", 3, [0.0])
+    (sweep / "no-reward" / "metrics.jsonl").write_text('{"step": 0, "collapse/events": 0.0}\n')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = comparison(sweep)
+    said = [str(w.message) for w in caught]
+    assert table["grpo (replay=off)"]["seeds"] == [0, 1, 2, 3] and table["grpo (replay=off)"]["n/final reward"] == 3
+    for what, (name, _) in damage.items():
+        line = next(m for m in said if f"{sweep / name}:" in m)
+        fault_report(f"{what}, in `moe-rl-compare`", line.replace(str(tmp_path), "DIR"), "the table of the other runs")
+    line = next(m for m in said if "0-copy" in m)
+    assert "seed 0" in line and "one seed counts once" in line
+    fault_report("a copied run folder (the same seed twice), in `moe-rl-compare`", line.replace(str(tmp_path), "DIR"),
+                 "the seed counted once; the table of the other runs")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        analyze_main([str(sweep), "--out", str(tmp_path / "report"), "--no-progress"])
+    said = [str(w.message) for w in caught]
+    for what, (name, _) in damage.items():
+        line = next(m for m in said if f"{sweep / name}" in m)
+        fault_report(f"{what}, in `moe-rl-analyze`", line.replace(str(tmp_path), "DIR"), "the report of the other runs")
+    assert sum("0-copy" in m and "one seed counts once" in m for m in said) == 1
+    assert "| 4 |" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_malicious_checkpoint_does_not_execute(tmp_path, finished, fault_report):
@@ -311,7 +434,7 @@ def test_corrupt_warm_start_cache_entry_is_rebuilt(tmp_path, fault_report):
 
 
 def test_sweep_with_one_bad_cell_keeps_the_others_and_exits_non_zero(tmp_path, warm_overrides, fault_report):
-    """A 4-job sweep whose third cell has trainer.lr=nan: three jobs finish, the bad one leaves failed.json, exit != 0."""
+    """A 4-job sweep whose third cell has trainer.lr=nan: three jobs finish and get a table, the bad one leaves failed.json and is named in one line (no traceback), exit != 0."""
     sweep = tmp_path / "sweep"
     args = [sys.executable, "-m", "moe_rl.train", "-m", "objective=grpo", *TINY, *warm_overrides, "trainer.steps=1", "logger.wandb=false",
             "trainer.lr=1e-4,2e-4,nan,3e-4", f"hydra.sweep.dir={sweep}"]
@@ -322,52 +445,56 @@ def test_sweep_with_one_bad_cell_keeps_the_others_and_exits_non_zero(tmp_path, w
     failed = [j for j in jobs if (j / "failed.json").exists()]
     assert len(done) == 3 and [j.name for j in failed] == ["2"]
     assert "trainer.lr=nan" in json.loads((failed[0] / "failed.json").read_text())["error"]
+    assert "Traceback" not in proc.stderr and "sweep job 2 failed: ValueError: trainer.lr=nan" in proc.stderr
+    table = (sweep / "comparison.md").read_text()
+    assert all(f"trainer.lr={lr} | 1 |" in table for lr in ("0.0001", "0.0002", "0.0003")), table
     fault_report("4-job sweep, one cell with `trainer.lr=nan`",
-                 next(line for line in proc.stderr.splitlines() if line.startswith("moe-rl-train:")),
-                 "the 3 good jobs' folders and summaries; `failed.json` in the bad one; exit status non-zero")
+                 " / ".join(line for line in proc.stderr.splitlines() if line.startswith("moe-rl-train:")),
+                 "the 3 good jobs' folders and summaries, and their comparison table; `failed.json` in the bad "
+                 "one; exit status 1")
 
 
 BUILDER = """
 import sys
+import moe_rl.warmstart as ws
 from moe_rl.models import ModelConfig
-from moe_rl.warmstart import WarmStartConfig, warm_start
-cfg = WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=512, cache_dir=sys.argv[1])
-print("ready", flush=True)
-r = warm_start(ModelConfig(), "arithmetic", 1, cfg, seed=0, progress=False)
+
+acquire = ws._acquire
+def announced(path):  # tell the test which process holds the lock, the moment it does
+    lock = acquire(path)
+    print("locked", flush=True)
+    return lock
+ws._acquire = announced
+cfg = ws.WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=512, cache_dir=sys.argv[1])
+r = ws.warm_start(ModelConfig(), "arithmetic", 1, cfg, seed=0, progress=False)
 print("cached" if r.cached else "built", flush=True)
 """
 
 
-def _lock_holder(lock: Path) -> int | None:
-    """The pid holding an flock on `lock`, from /proc/locks."""
-    if not lock.exists():
-        return None
-    inode = f":{lock.stat().st_ino} "
-    for line in Path("/proc/locks").read_text().splitlines():
-        if "FLOCK" in line and inode in line and "->" not in line:
-            return int(line.split()[4])
-    return None
+def _first_line(procs: list[subprocess.Popen], timeout_s: float) -> subprocess.Popen:
+    """The first of `procs` to write a line to stdout (read unbuffered, so no line hides in a buffer)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([p.stdout for p in procs], [], [], left)
+        for p in procs:
+            if p.stdout in ready:
+                return p
+    raise AssertionError(f"no builder took the lock within {timeout_s:.0f} s")
 
 
-@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux /proc/locks to find the lock holder")
 def test_killed_warm_start_builder_leaves_the_other_to_build_one_result(tmp_path, fault_report):
     """Two processes build one warm start; the one holding the lock is SIGKILLed: the other builds it, once, whole."""
     cfg = WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=512, cache_dir=str(tmp_path))
     from moe_rl.models import ModelConfig
 
     final = warm_start_dir(ModelConfig(), "arithmetic", 1, cfg, 0)
-    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path)], stdout=subprocess.PIPE, bufsize=0,
                               cwd=REPO, env=ENV) for _ in range(2)]
-    assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
-    deadline, holder = time.monotonic() + 120, None
-    while holder is None and time.monotonic() < deadline:
-        holder = _lock_holder(Path(f"{final}.lock"))
-        time.sleep(0.01)
-    killed = next(p for p in procs if p.pid == holder)
+    killed = _first_line(procs, timeout_s=300)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     survivor = next(p for p in procs if p is not killed)
-    out = survivor.communicate(timeout=600)[0].split()
+    out = survivor.communicate(timeout=600)[0].decode().split()
     assert survivor.returncode == 0 and out[-1] in ("built", "cached")
     assert (final / "warmstart.json").is_file() and not list(tmp_path.glob(".*.tmp-*"))
     fault_report("two runs build one warm start; the builder is killed -9 mid-build",

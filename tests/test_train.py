@@ -84,6 +84,9 @@ INVALID = [
     ("eval.expected_size=-1", "eval.expected_size"),
     ("objective=gmpo objective.loss_agg=token-mean", "objective.loss_agg"),
     ("routing.noise_scope=sampler", "routing.noise_scope"),
+    ("sampler.temperature=0", "sampler.temperature"),
+    ("+trainer.stepz=3", "trainer.stepz"),
+    ("+objective.clip_hihg=0.3 +seeds=2", "objective.clip_hihg"),
 ]
 
 

@@ -332,3 +332,14 @@ def test_warm_start_loss_adds_the_load_balancing_loss(tokenizer):
     aux = load_balancing_loss_func(out.router_logits, model.config.num_experts, model.config.num_experts_per_tok,
                                    mask[:, :-1])
     torch.testing.assert_close(with_aux, plain + 0.5 * aux)
+
+
+def test_build_shows_a_progress_bar_with_accuracy_against_the_band(tmp_path, capsys):
+    """A build with progress on draws a bar in steps, saying it is built once, with held-out accuracy next to the target band."""
+    cfg = WarmStartConfig(target_low=0.9, target_high=1.0, max_steps=2, batch_size=4, eval_every=1, eval_size=8,
+                          cache_dir=str(tmp_path))
+    with pytest.raises(RuntimeError):
+        warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=True)
+    err = capsys.readouterr().err
+    assert "warm start arithmetic (once, then cached)" in err and "2/2" in err
+    assert "acc=0.000" in err and "target=[0.9, 1]" in err
