@@ -251,7 +251,7 @@ def _params(run_dir: Path) -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory, warm_overrides):
     """The same 4-step run with 1 process (in-process) and 2 processes (torchrun)."""
     root = tmp_path_factory.mktemp("dp")
-    overrides = [*TINY, *warm_overrides, *DP]
+    overrides = [*TINY, *warm_overrides, *DP, "eval.at_start=true"]
     train(compose_config(overrides), root / "one")
     two = _run(root / "two", overrides)
     return root, overrides, two

@@ -32,7 +32,7 @@ REQUIRED_KEYS = [
 ]
 TINY = [
     "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batches=2",
-    "sampler.max_new_tokens=6", "model.num_layers=2", "logger.progress=false", "eval.expected_size=32",
+    "sampler.max_new_tokens=6", "model.num_layers=2", "logger.progress=false", "eval.expected_size=32", "eval.at_start=false",
 ]
 
 
@@ -485,6 +485,6 @@ def test_every_experiment_runs_two_steps(tmp_path, name):
     """Every experiment config composes and runs two RL steps at a tiny size."""
     tiny = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.mini_batches=2",
             "model.num_layers=1", "logger.progress=false", "logger.wandb=false", "warmstart.enabled=false", "eval.size=8",
-            "eval.expected_size=8"]
+            "eval.expected_size=8", "eval.at_start=false"]
     summary = train(compose_config([f"+experiment={name}", *tiny]), tmp_path / name)
     assert summary["steps_done"] == 2 and summary["experiment"] == name.split("__")[0]
