@@ -1,4 +1,4 @@
-"""Mutation check of the objectives added in issue 16: plant one bug at a time, see the tests catch it.
+"""Mutation check of the objectives (issues 16 and 25): plant one bug at a time, see the tests catch it.
 
     python experiments/mutation_objectives.py            # all mutants, ~10 min on 1 CPU core
     python experiments/mutation_objectives.py gmpo dual  # only mutants whose name contains a word
@@ -24,24 +24,24 @@ OBJ = "moe_rl/objectives/"
 
 # (name, file, original text, mutated text); the original must occur exactly once.
 MUTANTS = [
-    ("cispo: ratio not stop-gradient", OBJ + "cispo.py", "LOG_RATIO_BOUND)).detach()", "LOG_RATIO_BOUND))"),
+    ("cispo: ratio not stop-gradient", OBJ + "cispo.py", "r_BT = ratio.value.detach()", "r_BT = ratio.value"),
     (
         "cispo: clip bounds swapped",
         OBJ + "cispo.py",
-        "r_BT.clamp(1.0 - clip_low, 1.0 + clip_high)",
-        "r_BT.clamp(1.0 - clip_high, 1.0 + clip_low)",
+        "r_BT.clamp(1.0 - x.clip_low, 1.0 + x.clip_high)",
+        "r_BT.clamp(1.0 - x.clip_high, 1.0 + x.clip_low)",
     ),
     (
         "cispo: clip metric counts advantage sign",
         OBJ + "cispo.py",
-        "mask_BT & (r_BT > 1.0 + clip_high)",
-        "mask_BT & (r_BT > 1.0 + clip_high) & (adv_BT > 0)",
+        "p.mask_BT & (r_BT > 1.0 + x.clip_high)",
+        "p.mask_BT & (r_BT > 1.0 + x.clip_high) & (p.adv_BT > 0)",
     ),
     (
         "gmpo: advantage sign ignored in the clip",
         OBJ + "gmpo.py",
-        "sign_BT * torch.minimum(sign_BT * d_BT, sign_BT * d_BT.clamp(-clip_low, clip_high))",
-        "torch.minimum(d_BT, d_BT.clamp(-clip_low, clip_high))",
+        "sign_BT * torch.minimum(sign_BT * d_BT, sign_BT * d_BT.clamp(-x.clip_low, x.clip_high))",
+        "torch.minimum(d_BT, d_BT.clamp(-x.clip_low, x.clip_high))",
     ),
     (
         "gmpo: arithmetic mean of ratios",
@@ -52,10 +52,15 @@ MUTANTS = [
     (
         "gmpo: clip bounds swapped",
         OBJ + "gmpo.py",
-        "d_BT.clamp(-clip_low, clip_high)",
-        "d_BT.clamp(-clip_high, clip_low)",
+        "d_BT.clamp(-x.clip_low, x.clip_high)",
+        "d_BT.clamp(-x.clip_high, x.clip_low)",
     ),
-    ("gmpo: IS weight not applied", OBJ + "gmpo.py", "-rho_B * adv_B * is_B", "-rho_B * adv_B"),
+    (
+        "rollout IS: a per-sequence loss ignores the weight (gspo, gmpo)",
+        OBJ + "surrogate.py",
+        "loss = seq_mean(sur.loss * omega_B, mask_BT)",
+        "loss = seq_mean(sur.loss, mask_BT)",
+    ),
     (
         "dual-clip: max instead of min",
         OBJ + "common.py",
@@ -70,9 +75,9 @@ MUTANTS = [
     ),
     (
         "dual-clip metric: threshold off by one",
-        OBJ + "common.py",
-        "(ratio_BT > clip_ratio_c)",
-        "(ratio_BT > 1.0 + clip_ratio_c)",
+        OBJ + "diagnostics.py",
+        "& (ratio_BT > clip_ratio_c))[mask_BT]",
+        "& (ratio_BT > 1.0 + clip_ratio_c))[mask_BT]",
     ),
     (
         "rollout IS: ratio inverted",
@@ -95,20 +100,20 @@ MUTANTS = [
     (
         "rollout IS: metrics after truncation",
         OBJ + "common.py",
-        "rho_N = rho_BT[mask_BT].double()",
-        "rho_N = weight_BT[mask_BT].double()",
+        "rho_N = rho_BT[mask_BT]",
+        "rho_N = weight_BT[mask_BT]",
     ),
     (
-        "rollout IS: grpo ignores the weight",
-        OBJ + "grpo.py",
-        "torch.where(mask_BT, loss_BT * is_BT, 0.0)",
-        "torch.where(mask_BT, loss_BT, 0.0)",
+        "rollout IS: a per-token loss ignores the weight (grpo, cispo, gspo_token)",
+        OBJ + "surrogate.py",
+        "torch.where(mask_BT, sur.loss * omega_BT, 0.0)",
+        "torch.where(mask_BT, sur.loss, 0.0)",
     ),
     (
-        "rollout IS: gspo weight as max",
-        OBJ + "gspo.py",
-        "is_B = is_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)",
-        "is_B = is_BT.amax(-1)",
+        "rollout IS: per-sequence weight as max",
+        OBJ + "surrogate.py",
+        "omega_B = omega_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)",
+        "omega_B = omega_BT.amax(-1)",
     ),
     (
         "rollout IS: missing sampler_logp accepted",

@@ -2,18 +2,20 @@
 the policy's export in Hugging Face format (`export.py`).
 
 Metrics logged every step (to metrics.jsonl and W&B). Under data parallelism (torchrun, W ranks) every
-metric is first reduced over ranks (`reduce_metric` in distributed.py), so one process and W processes
-log the same quantity:
+metric is first reduced over ranks, so one process and W processes log the same quantity:
+- the objective's `clip/*`, `ratio/*`, `policy/*`, `rollout_is/*` and `train/*` keys come as
+  `moe_rl.stats.Stats` (sums and counts, extremes, or mergeable variances, the reduction carried by each
+  value, not by its name): each mini-batch's are pooled over ranks exactly, as if one process had held all
+  its rows (variances included), then finished; the step logs their mean over mini-batches (`*/sum`: the
+  sum, so a quotient of two of them is exact over all ranks and mini-batches);
 - rollout statistics are computed from all ranks' rows;
-- `*/max` and `time/*`: the maximum over ranks; `*/min`: the minimum (both skip a rank's NaN, a rank
-  with no such entry);
-- `throughput/*`, `routing/replay_cache_bytes` and `*/sum`: the sum (`*/sum` also over the step's
-  mini-batches, so a quotient of two of them is exact over all ranks and mini-batches);
-- other means: weighted by each rank's response tokens (`TOKEN_MEANS`: the clip and ratio means),
-  valid positions (`POSITION_MEANS`, and expert change, reduced per mini-batch) or rows (the rest);
-- variances and `routing/load_cv/mean`: the weighted mean of the ranks' values, not the global statistic;
-- except `length/*`: every rank's sums (`objectives.common.length_sums`) are added, so these are the
-  statistics of all ranks' sequences, exactly as one process computes them.
+- of the rest (`reduce_metric` in distributed.py): `*/max` and `time/*`, the maximum over ranks; `*/min`,
+  the minimum (both skip a rank's NaN, a rank with no such entry); `throughput/*` and
+  `routing/replay_cache_bytes`, the sum; other means, weighted by each rank's valid positions
+  (`POSITION_MEANS`, and expert change, reduced per mini-batch) or rows; `routing/load_cv/mean`, the
+  weighted mean of the ranks' values, not the global statistic;
+- `length/*`: every rank's sums (`objectives.common.length_sums`) are added, so these are the statistics
+  of all ranks' sequences, exactly as one process computes them.
 
 NaN/inf: one convention in metrics.jsonl, events.jsonl and summary.json (moe_rl.trainer.logging): a
 non-finite value is written as the string "nan", "inf" or "-inf", so each file is strict JSON; readers
