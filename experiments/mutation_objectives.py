@@ -19,11 +19,28 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_objectives.py", "tests/test_objectives_extra.py"]
+TESTS = ["tests/test_objectives.py", "tests/test_objectives_extra.py", "tests/test_objectives_stabilisers.py",
+         "tests/test_metric_stats.py"]
 OBJ = "moe_rl/objectives/"
 
 # (name, file, original text, mutated text); the original must occur exactly once.
 MUTANTS = [
+    # issue 25: SAPO, OPSM, the unbiased KL, geometric IS, IcePop, ESS/χ²
+    ("sapo: temperatures swapped", OBJ + "sapo.py", "torch.where(adv > 0, rho.new_tensor(x.tau_pos), rho.new_tensor(x.tau_neg))",
+     "torch.where(adv > 0, rho.new_tensor(x.tau_neg), rho.new_tensor(x.tau_pos))"),
+    ("sapo: gate without 4/τ", OBJ + "sapo.py", "loss = -(gate * 4.0 / tau) * adv", "loss = -gate * adv"),
+    ("opsm: sign of the log-ratio", OBJ + "surrogate.py", "mu_BT - p.logp_BT.detach()", "p.logp_BT.detach() - mu_BT"),
+    ("opsm: drops positive advantages", OBJ + "surrogate.py", "(p.adv_BT >= 0) | (kl_B <= delta)", "(kl_B <= delta)"),
+    ("opsm: mask not applied", OBJ + "surrogate.py", "omega_BT = omega_BT * keep_BT", "omega_BT = omega_BT"),
+    ("kl: unbiased ratio detached", OBJ + "common.py",
+     "r_BT = torch.exp((logp_BT - old_logp_BT).clamp(", "r_BT = torch.exp((logp_BT.detach() - old_logp_BT).clamp("),
+    ("geo IS: product instead of mean", OBJ + "common.py", "(diff_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1))[:, None]",
+     "(diff_BT.sum(-1))[:, None]"),
+    ("icepop: symmetric 1/C band", OBJ + "common.py", 'lo, hi = band if mode == "icepop" else (1.0 / cap, cap)',
+     "lo, hi = (1.0 / cap, cap)"),
+    ("ess: square of the mean", "moe_rl/stats.py", "return p[1] ** 2 / (p[0] * p[2])", "return p[1] / (p[0] * p[2]) ** 0.5"),
+    ("stats: variance combine drops the between term", "moe_rl/stats.py",
+     "qa + qb + delta * delta * na * nb / n", "qa + qb"),
     ("cispo: ratio not stop-gradient", OBJ + "cispo.py", "r_BT = ratio.value.detach()", "r_BT = ratio.value"),
     (
         "cispo: clip bounds swapped",
@@ -94,8 +111,8 @@ MUTANTS = [
     (
         "rollout IS: mask keeps low ratios",
         OBJ + "common.py",
-        "(rho_BT < 1.0 / cap) | (rho_BT > cap)",
-        "(rho_BT > cap)",
+        "(rho_BT < lo) | (rho_BT > hi)",
+        "(rho_BT > hi)",
     ),
     (
         "rollout IS: metrics after truncation",

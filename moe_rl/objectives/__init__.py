@@ -12,6 +12,11 @@ rest once for all of them (rollout correction, aggregation, KL penalty, diagnost
 | gspo_token | `seq_token_ratio` s_it = sg[s_i]·π_θ/sg[π_θ] (Eq. 14) | `ppo_clip` (Eq. 13) |
 | cispo | `token_ratio`, detached | `truncated_weight_reinforce` −sg(clip(r))·Â·log π |
 | gmpo | `geo_mean_clipped_ratio` (each log d_it clipped, then the mean) | `policy_gradient` −ρÂ |
+| sapo | `token_ratio` w_it | `soft_gate` −σ(τ(w − 1))·4/τ·Â (arXiv 2511.20347) |
+| sapo_seq | `seq_ratio` s_i | `soft_gate` |
+
+Options every objective takes on top: `opsm_delta` (off-policy sequence masking, DeepSeek-V3.2) multiplies
+ω by the mask `surrogate.opsm_keep`; `kl_estimator=k3_unbiased` weights k3 by π_θ / π_old.
 
 So GRPO and GSPO differ only in the ratio. The trainer builds one `ObjectiveInputs` value (the tensors and
 the options) and calls `OBJECTIVES[name].compute(inputs)`, which returns `(loss, Stats)`: metrics as sums
@@ -29,9 +34,9 @@ start-up validation of the config.
 Options every objective takes (see common.py): `kl_estimator` ∈ {k1, k2, k3, low_var_kl} picks the
 penalty kl(logp, ref) in `beta · agg(kl)`, with δ = ref_logp − logp: k1 = −δ, k2 = δ²/2,
 k3 = exp(δ) − δ − 1, low_var_kl = min(k3, 10). `rollout_is` ∈ {none, token_truncate, token_mask,
-sequence_truncate, sequence_mask} multiplies each token's loss by ω = a function of
-ρ = π_old / π_sampler (see `common.rollout_is_weight`), capped at `rollout_is_cap` (truncate) or zero
-outside [1/cap, cap] (mask). `clip_ratio_c` (grpo, gspo, gspo_token) is dual-clip's c.
+sequence_truncate, sequence_mask, geo_sequence_truncate, geo_sequence_mask, icepop} multiplies each
+token's loss by ω = a function of ρ = π_old / π_sampler (see `common.rollout_is_weight`), capped at
+`rollout_is_cap` (truncate) or zero outside [1/cap, cap] (mask; icepop: outside `rollout_is_band`). `clip_ratio_c` (grpo, gspo, gspo_token) is dual-clip's c.
 
 ## Metrics
 
@@ -68,7 +73,10 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `clip/dual_frac` | clip_ratio_c set only: 1/N Σ [Â_it < 0 ∧ ρ_it > c], tokens whose loss dual-clip caps at c·\|Â_it\| (zero gradient); not counted in `clip/token_frac` |
 | `rollout_is/mean`, `rollout_is/max` | rollout_is ≠ none only: 1/N Σ q_it and max q_it of the sampler correction q_it = exp(clamp(old_logp_it − sampler_logp_it, ±20)) before truncation or masking; sequence modes use q_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) at each of the sequence's tokens |
 | `rollout_is/clipped_frac` | *_truncate only: 1/N Σ [q_it > cap] |
-| `rollout_is/masked_frac` | *_mask only: 1/N Σ [q_it ∉ [1/cap, cap]] (tokens, or every token of a masked sequence) |
+| `rollout_is/masked_frac` | *_mask and icepop only: 1/N Σ [q_it ∉ [1/cap, cap]] (icepop: ∉ rollout_is_band; tokens, or every token of a masked sequence); geo_sequence_* use q_i = exp(clamp(1/n_i Σ_t (old_logp_it − sampler_logp_it), ±20)) |
+| `rollout_is/ess`, `rollout_is/chi2` | rollout_is ≠ none, or mismatch_diagnostics (the trainer: trainer.sampler_dtype set): over non-empty sequences, w_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) = π_old(y_i)/π_sampler(y_i); ESS = (Σ w)² / (B' Σ w²) ∈ (0, 1], χ² = 1/B' Σ w² − 1 |
+| `policy/opsm_masked_frac` | opsm_delta set only: 1/N Σ [Â_it < 0 ∧ 1/n_i Σ_t (sampler_logp_it − logp_it) > δ], the tokens off-policy sequence masking drops |
+| `policy/gate_weight/mean` | sapo, sapo_seq only (instead of `clip/*`): 1/N Σ 4σ_it(1 − σ_it), σ = σ(τ(ρ − 1)), the gate's gradient factor (1 on-policy) |
 
 Gradient-carrying entries k of the two `*grad_weight/sum` rows, their weight g_k on Â ∇logp and the ratio
 ρ_k judged extreme (the issue's Σ|w_it·Â_i| over unclipped tokens, and its sequence analogue):
@@ -80,6 +88,7 @@ Gradient-carrying entries k of the two `*grad_weight/sum` rows, their weight g_k
 - gmpo: sequences; ρ = s_i (before the clip), g = the clipped geometric mean ρ_i, with |Â_i| scaled by the
   fraction of the sequence's tokens that keep a gradient (not clipped, |d_it| ≤ 20).
 - cispo: drops no token's gradient, so every valid token counts; ρ = r_it, g = its truncated weight r̂_it.
+- sapo, sapo_seq: tokens (sequences) within the log-ratio clamp; g = 4σ(1 − σ)·ρ, ρ = r_it (s_i).
 Neither the rollout IS weight ω nor the aggregation's 1/|y_i| or 1/N enters g.
 
 For cispo, low_it = [r_it < 1 − clip_low] and high_it = [r_it > 1 + clip_high] whatever Â's sign: the
@@ -94,9 +103,10 @@ from moe_rl.objectives.common import group_advantages
 from moe_rl.objectives.gmpo import GMPO, gmpo
 from moe_rl.objectives.grpo import GRPO, grpo
 from moe_rl.objectives.gspo import GSPO, GSPO_TOKEN, gspo, gspo_token
+from moe_rl.objectives.sapo import SAPO, SAPO_SEQ
 from moe_rl.objectives.surrogate import Objective, ObjectiveInputs
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (GRPO, GSPO, GSPO_TOKEN, CISPO, GMPO)}
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (GRPO, GSPO, GSPO_TOKEN, CISPO, GMPO, SAPO, SAPO_SEQ)}
 """The registry: the one lookup the trainer (and config validation) makes."""
 SPECS = OBJECTIVES
 """Which options each objective gives a meaning to (its `Objective` fields); the same values as OBJECTIVES."""

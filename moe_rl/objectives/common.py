@@ -26,6 +26,8 @@ SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 DEFAULT_EXTREME_BAND = (0.5, 2.0)
 DEFAULT_EXTREME_WEIGHT_BAND = (0.1, 10.0)
 """Ratios outside it count as extreme in `policy/extreme_weight_share` (objective.extreme_weight_band)."""
+DEFAULT_ICEPOP_BAND = (0.5, 5.0)
+"""IcePop's [α, β] (Ring-1T, arXiv 2510.18855): tokens with π_train / π_infer outside it are masked."""
 
 Aggregate = Callable[[Tensor, Tensor], Tensor]
 
@@ -64,15 +66,18 @@ def check_corrections(
     sampler_logp: Tensor | None,
     rollout_is: str,
     rollout_is_cap: float,
+    rollout_is_band: tuple[float, float] = DEFAULT_ICEPOP_BAND,
 ) -> None:
     """Raise ValueError on a KL estimator, dual-clip constant or rollout-IS setting that cannot apply."""
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    if kl_estimator not in KL_ESTIMATOR_NAMES:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {KL_ESTIMATOR_NAMES}")
+    if rollout_is == "icepop" and not 0.0 <= rollout_is_band[0] < 1.0 < rollout_is_band[1]:
+        raise ValueError(f"rollout_is_band must be [α, β] with 0 <= α < 1 < β, got {rollout_is_band}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (dual-clip caps at c·|A|), got {clip_ratio_c}")
     if rollout_is not in ROLLOUT_IS_MODES:
         raise ValueError(f"unknown rollout_is {rollout_is!r}; choose one of {ROLLOUT_IS_MODES}")
-    if rollout_is != "none" and not rollout_is_cap > 1.0:
+    if rollout_is not in ("none", "icepop") and not rollout_is_cap > 1.0:
         raise ValueError(f"rollout_is_cap must be > 1, got {rollout_is_cap}")
     if rollout_is != "none" and (sampler_logp is None or sampler_logp.shape != mask.shape):
         got = None if sampler_logp is None else list(sampler_logp.shape)
@@ -157,6 +162,12 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k3": k3,  # exp(δ) − δ − 1: unbiased, ≥ 0
     "low_var_kl": lambda logp, ref: k3(logp, ref).clamp(max=LOW_VAR_KL_CAP),
 }
+IS_WEIGHTED_KL = {"k3_unbiased": "k3"}
+"""Estimators of KL(π_θ ‖ π_ref) on samples from π_old: the base estimator times r_it = π_θ / π_old
+(DeepSeek-V3.2, arXiv 2512.02556, §3.1, "unbiased KL estimate"; TRL use_bias_correction_kl, slime
+--use-unbiased-kl). As in TRL and slime r carries the gradient: ∇(r·k3) = r·(logp − ref_logp)·∇logp,
+the unbiased gradient of the reverse KL, whereas sg(r)·∇k3 would not be (π_old is the constant)."""
+KL_ESTIMATOR_NAMES = (*KL_ESTIMATORS, *IS_WEIGHTED_KL)
 
 
 def kl_penalty(
@@ -166,49 +177,79 @@ def kl_penalty(
     beta: float,
     aggregate: Aggregate,
     estimator: str = "k3",
+    old_logp_BT: Tensor | None = None,
 ) -> tuple[Tensor, Stats]:
     """beta · agg(kl(logp, ref_logp)) and its `policy/ref_kl` stat; nothing at all when beta == 0.
 
-    `estimator` picks kl from KL_ESTIMATORS (k1, k2, k3, low_var_kl); the default k3 is the GRPO paper's.
+    `estimator` picks kl from KL_ESTIMATORS (k1, k2, k3, low_var_kl; the default k3 is the GRPO paper's),
+    or IS_WEIGHTED_KL (k3_unbiased: exp(clamp(logp − old_logp, ±LOG_RATIO_BOUND)) · k3, needs old_logp).
     `policy/ref_kl` is agg(kl), kept as (agg(kl)·w, w) with w the aggregation's own denominator (tokens
     for token-mean, non-empty sequences otherwise), so pooling ranks weighs each as the loss does."""
     if beta == 0.0 or ref_logp_BT is None:
         return logp_BT.new_zeros(()), {}
-    kl = aggregate(torch.where(mask_BT, KL_ESTIMATORS[estimator](logp_BT, ref_logp_BT), 0.0), mask_BT)
+    if estimator in IS_WEIGHTED_KL:
+        assert old_logp_BT is not None
+        r_BT = torch.exp((logp_BT - old_logp_BT).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        kl_BT = r_BT * KL_ESTIMATORS[IS_WEIGHTED_KL[estimator]](logp_BT, ref_logp_BT)
+    else:
+        kl_BT = KL_ESTIMATORS[estimator](logp_BT, ref_logp_BT)
+    kl = aggregate(torch.where(mask_BT, kl_BT, 0.0), mask_BT)
     w = (mask_BT.sum() if aggregate is token_mean else mask_BT.any(-1).sum()).double()
     return beta * kl, {"policy/ref_kl": stats.ratio(kl.detach().double() * w, w)}
 
 
-ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-"""Rollout importance-sampling correction modes; the names are TRL's `vllm_importance_sampling_mode`."""
+ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                    "geo_sequence_truncate", "geo_sequence_mask", "icepop")
+"""Rollout importance-sampling correction modes: TRL's `vllm_importance_sampling_mode` names, the
+geometric-mean sequence modes of "When Speed Kills Stability" (verl rollout_rs=geometric), and IcePop."""
 
 
 def rollout_is_weight(
-    old_logp_BT: Tensor, sampler_logp: Tensor | None, mask_BT: Tensor, mode: str, cap: float
+    old_logp_BT: Tensor,
+    sampler_logp: Tensor | None,
+    mask_BT: Tensor,
+    mode: str,
+    cap: float,
+    band: tuple[float, float] = DEFAULT_ICEPOP_BAND,
+    diagnostics: bool = False,
 ) -> tuple[Tensor, Stats]:
     """Weight ω on each token's loss correcting for sampler/trainer mismatch, and its `rollout_is/*` metrics.
 
-        token modes:     ρ_it = exp(clamp(old_logp_it − sampler_logp_it, ±LOG_RATIO_BOUND))
-        sequence modes:  ρ_i  = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±LOG_RATIO_BOUND)), all t
+        token modes, icepop:  ρ_it = exp(clamp(old_logp_it − sampler_logp_it, ±LOG_RATIO_BOUND))
+        sequence modes:       ρ_i  = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±LOG_RATIO_BOUND)), all t
+        geo_sequence modes:   ρ_i  = exp(clamp(1/|y_i| Σ_t (old_logp_it − sampler_logp_it), ±B)), all t
         *_truncate (TIS, Yao et al. 2025):  ω = min(ρ, cap)
         *_mask     (MIS):                   ω = ρ · [1/cap ≤ ρ ≤ cap]   (tokens or sequences dropped)
+        icepop (Ring-1T, arXiv 2510.18855): ω = ρ · [α ≤ ρ ≤ β], [α, β] = band (two-sided token mask)
 
-    As in TRL, the weight multiplies the objective's per-token loss after its clip, before aggregation,
-    and a masked token still counts in the aggregation's denominator (verl's rejection sampling removes
-    it from the mask instead). ω carries no gradient: both log-probs are constants of the step. Mode
-    "none" returns ω = 1 (0 at padding, as every mode) and no metrics. Metrics (float64, over valid
-    tokens; sequence modes count each token of a sequence with that sequence's ρ_i): `rollout_is/mean`
-    and `rollout_is/max` of ρ before truncation or masking, `rollout_is/clipped_frac` (truncate modes)
-    1/N Σ [ρ > cap], `rollout_is/masked_frac` (mask modes) 1/N Σ [ρ ∉ [1/cap, cap]].
+    The geometric mean (Liu, Li et al. 2025, "When Speed Kills Stability": Geo-MIS) is length-normalised:
+    a 32-token answer's product ratio leaves [1/C, C] far more easily than a 4-token one's, its geometric
+    mean does not. As in TRL, the weight multiplies the objective's per-token loss after its clip, before
+    aggregation, and a masked token still counts in the aggregation's denominator (verl's rejection
+    sampling, rollout_rs=geometric, masks with weight 1 and removes it from the mask instead). ω carries no
+    gradient. Mode "none" returns ω = 1 (0 at padding, as every mode). Metrics (float64, over valid
+    tokens; sequence modes count each token of a sequence with that sequence's ρ_i): `rollout_is/mean` and
+    `rollout_is/max` of ρ before truncation or masking, `rollout_is/clipped_frac` (truncate modes)
+    1/N Σ [ρ > cap], `rollout_is/masked_frac` (mask modes, icepop) 1/N Σ [ρ outside its band]; with any
+    mode but none, or `diagnostics`, `rollout_is/ess` and `rollout_is/chi2` of the per-sequence weights
+    w_i = π_old(y_i) / π_sampler(y_i) = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±LOG_RATIO_BOUND))
+    over non-empty sequences: (Σ w)² / (B' Σ w²) and mean(w²) − 1 (VCPO, arXiv 2602.17616; verl's χ²).
     """
+    ones_BT = mask_BT.to(old_logp_BT.dtype)
+    if sampler_logp is None or (mode == "none" and not diagnostics):
+        return ones_BT, {}
+    diff_BT = torch.where(mask_BT, old_logp_BT - sampler_logp.to(old_logp_BT.dtype), 0.0).detach()
+    seq_w_B = diff_BT.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()[mask_BT.any(-1)]
+    out = {"rollout_is/ess": stats.ess(seq_w_B), "rollout_is/chi2": stats.chi2(seq_w_B)}
     if mode == "none":
-        return mask_BT.to(old_logp_BT.dtype), {}
-    assert sampler_logp is not None  # check_options guarantees it
-    diff_BT = torch.where(mask_BT, old_logp_BT - sampler_logp.to(old_logp_BT.dtype), 0.0)
+        return ones_BT, out
     if mode.startswith("sequence"):
         diff_BT = diff_BT.sum(-1, keepdim=True).expand_as(diff_BT)
-    rho_BT = diff_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp().detach()
-    outside_BT = (rho_BT > cap) if mode.endswith("truncate") else (rho_BT < 1.0 / cap) | (rho_BT > cap)
+    elif mode.startswith("geo_sequence"):
+        diff_BT = (diff_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1))[:, None].expand_as(diff_BT)
+    rho_BT = diff_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    lo, hi = band if mode == "icepop" else (1.0 / cap, cap)
+    outside_BT = (rho_BT > cap) if mode.endswith("truncate") else (rho_BT < lo) | (rho_BT > hi)
     weight_BT = rho_BT.clamp(max=cap) if mode.endswith("truncate") else torch.where(outside_BT, 0.0, rho_BT)
     rho_N = rho_BT[mask_BT]
     frac_key = "rollout_is/clipped_frac" if mode.endswith("truncate") else "rollout_is/masked_frac"
@@ -216,6 +257,7 @@ def rollout_is_weight(
         "rollout_is/mean": stats.mean(rho_N),
         "rollout_is/max": stats.maximum(rho_N),
         frac_key: stats.mean(outside_BT[mask_BT]),
+        **out,
     }
 
 

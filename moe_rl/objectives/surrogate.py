@@ -38,6 +38,7 @@ from moe_rl.objectives import diagnostics as D
 from moe_rl.objectives.common import (
     DEFAULT_EXTREME_BAND,
     DEFAULT_EXTREME_WEIGHT_BAND,
+    DEFAULT_ICEPOP_BAND,
     LOG_RATIO_BOUND,
     SEQ_MEAN_TOKEN_MEAN,
     Aggregate,
@@ -92,6 +93,17 @@ class ObjectiveInputs:
     """Its C > 1."""
     extreme_weight_band: tuple[float, float] = DEFAULT_EXTREME_WEIGHT_BAND
     """`policy/extreme_weight_share` counts the objective's ratios outside it as extreme."""
+    rollout_is_band: tuple[float, float] = DEFAULT_ICEPOP_BAND
+    """[α, β] of rollout_is="icepop": tokens whose π_old / π_sampler leaves it are masked."""
+    mismatch_diagnostics: bool = False
+    """Log `rollout_is/ess` and `rollout_is/chi2` even with rollout_is="none" (a low-precision sampler)."""
+    tau_pos: float = 1.0
+    """SAPO's gate temperature where Â > 0 (TRL sapo_temperature_pos, verl tau_pos)."""
+    tau_neg: float = 1.05
+    """SAPO's gate temperature where Â ≤ 0 (TRL sapo_temperature_neg, verl tau_neg)."""
+    opsm_delta: float | None = None
+    """Off-policy sequence masking's δ (DeepSeek-V3.2): drop Â < 0 tokens of sequences whose mean
+    log(π_sampler / π_θ) exceeds δ; None = off."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +142,10 @@ class Surrogate:
     """What a surrogate returns: ℓ (the shape of the ratio) and the masks its diagnostics need."""
 
     loss: Tensor
-    low_BT: Tensor
-    high_BT: Tensor
-    """[B, T] bool: tokens counted in clip/low_frac and clip/high_frac."""
+    low_BT: Tensor | None
+    high_BT: Tensor | None
+    """[B, T] bool: tokens counted in clip/low_frac and clip/high_frac; None for a surrogate without a
+    hard clip (SAPO), which then logs no clip/* keys rather than zeros."""
     keep_BT: Tensor
     """[B, T] bool: valid tokens whose gradient no clip, cap or clamp zeroes."""
     weight: Tensor
@@ -181,7 +194,12 @@ def check(obj: Objective, x: ObjectiveInputs, loss_agg: str) -> None:
     """Raise ValueError on options the objective cannot give a meaning to."""
     check_options(x.clip_low, x.clip_high, x.beta, x.ref_logp, x.extreme_band, x.extreme_weight_band,
                   allow_no_lower_clip=obj.clip_low_may_be_one)
-    check_corrections(x.mask, x.kl_estimator, x.clip_ratio_c, x.sampler_logp, x.rollout_is, x.rollout_is_cap)
+    check_corrections(x.mask, x.kl_estimator, x.clip_ratio_c, x.sampler_logp, x.rollout_is, x.rollout_is_cap,
+                      x.rollout_is_band)
+    if not (x.tau_pos > 0 and x.tau_neg > 0):
+        raise ValueError(f"SAPO's temperatures must be > 0, got tau_pos={x.tau_pos}, tau_neg={x.tau_neg}")
+    if x.opsm_delta is not None and not x.opsm_delta >= 0:
+        raise ValueError(f"opsm_delta must be >= 0 or None, got {x.opsm_delta}")
     if loss_agg not in obj.loss_aggs:
         raise ValueError(f"{obj.name} is defined with loss_agg in {obj.loss_aggs} only, got {loss_agg!r}")
     if x.clip_ratio_c is not None and not obj.dual_clip:
@@ -226,13 +244,18 @@ def compute(obj: Objective, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
     mask_BT = p.mask_BT
     ratio = obj.build_ratio(p)
     sur = obj.surrogate(ratio, p)
-    omega_BT, is_stats = rollout_is_weight(p.old_logp_BT, x.sampler_logp, mask_BT, x.rollout_is, x.rollout_is_cap)
+    omega_BT, is_stats = rollout_is_weight(p.old_logp_BT, x.sampler_logp, mask_BT, x.rollout_is, x.rollout_is_cap,
+                                           x.rollout_is_band, x.mismatch_diagnostics)
+    if x.opsm_delta is not None:  # DeepSeek-V3.2's off-policy sequence mask multiplies ω (as TRL)
+        keep_BT, is_stats["policy/opsm_masked_frac"] = opsm_keep(p, x.opsm_delta)
+        omega_BT = omega_BT * keep_BT
     if sur.loss.dim() == 1:  # one term per sequence: a token-level weight enters as its mean (as TRL)
         omega_B = omega_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)  # exactly 1 when rollout_is="none"
         loss = seq_mean(sur.loss * omega_B, mask_BT)
     else:
         loss = p.aggregate(torch.where(mask_BT, sur.loss * omega_BT, 0.0), mask_BT)
-    kl, kl_stats = kl_penalty(p.logp_BT, p.ref_logp_BT, mask_BT, x.beta, p.aggregate, x.kl_estimator)
+    kl, kl_stats = kl_penalty(p.logp_BT, p.ref_logp_BT, mask_BT, x.beta, p.aggregate, x.kl_estimator,
+                              p.old_logp_BT)
     loss = loss + kl
 
     if obj.ratio == "token":  # g and the judged ratio per token
@@ -240,8 +263,9 @@ def compute(obj: Objective, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
     else:  # per sequence, |Â_i| over the sequence's gradient-carrying tokens
         weights = D.weight_stats(ratio.judged, sur.weight, D.seq_kept_adv(p.adv_BT, sur.keep_BT, mask_BT),
                                  mask_BT.any(-1), x.extreme_weight_band)
+    clip = {} if sur.low_BT is None else D.clip_stats(sur.low_BT, sur.high_BT, mask_BT)
     stats = {
-        **D.clip_stats(sur.low_BT, sur.high_BT, mask_BT),
+        **clip,
         **weights,
         **sur.stats,
         **D.ratio_stats(p.logp_BT, p.old_logp_BT, p.adv_BT, mask_BT, x.extreme_band),
@@ -249,6 +273,22 @@ def compute(obj: Objective, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
         **is_stats,
     }
     return loss, stats
+
+
+@torch.no_grad()
+def opsm_keep(p: Prepared, delta: float) -> tuple[Tensor, S.Stat]:
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, §3.1), as TRL's get_off_policy_mask.
+
+        keep_it = [Â_it ≥ 0] ∨ [1/|y_i| Σ_t (log π_sampler(y_it) − log π_θ(y_it)) ≤ δ]
+
+    π_sampler is the sampler's (sampler_logp; π_old when there is none, as TRL without vLLM); π_θ is
+    detached. Returns the [B, T] float mask (1 = keep) and `policy/opsm_masked_frac`, the fraction of valid
+    tokens dropped (for per-sequence advantages, the token share of the dropped sequences)."""
+    x, mask_BT = p.x, p.mask_BT
+    mu_BT = p.old_logp_BT if x.sampler_logp is None else torch.where(mask_BT, x.sampler_logp.to(p.logp_BT), 0.0)
+    kl_B = torch.where(mask_BT, mu_BT - p.logp_BT.detach(), 0.0).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+    keep_BT = (p.adv_BT >= 0) | (kl_B <= delta)[:, None]
+    return keep_BT.to(p.logp_BT.dtype), S.mean(~keep_BT[mask_BT])
 
 
 def broadcast(x: Tensor, like_BT: Tensor) -> Tensor:

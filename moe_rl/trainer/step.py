@@ -294,6 +294,11 @@ def _objective(
         rollout_is=o.rollout_is,
         rollout_is_cap=o.rollout_is_cap,
         extreme_weight_band=tuple(o.extreme_weight_band),
+        rollout_is_band=tuple(o.rollout_is_band),
+        mismatch_diagnostics=ctx.cfg.trainer.sampler_dtype is not None,
+        tau_pos=o.tau_pos,
+        tau_neg=o.tau_neg,
+        opsm_delta=o.opsm_delta,
     )
     return OBJECTIVES[o.name].compute(inputs)
 
