@@ -334,9 +334,9 @@ def _update(
     old_trace: RoutingTrace,
     loss_scale: float = 1.0,
     minibatch: int = 0,
-) -> tuple[S.Stats, dict[str, list[float]]]:
-    """One optimizer step on mini-batch `minibatch` (0-based); returns its stats (moe_rl.stats, with Python
-    float parts, ready to gather) and its routing change:
+) -> tuple[S.Finished, dict[str, list[float]]]:
+    """One optimizer step on mini-batch `minibatch` (0-based); returns its metrics (floats, which keep
+    their moe_rl.stats for the exact reduction over ranks) and its routing change:
     `layers`, the expert change per layer over valid positions; `response`, over response positions
     (`_response_positions`); `rollout`, the sampler's routing vs this forward's; `drift`, [swapped slots,
     valid slots] when routing.drift > 0. Expert change compares the routing this forward used absent
@@ -378,7 +378,7 @@ def _update(
     loss = loss * loss_scale
     metrics["train/loss"] = S.scalar(loss.item())
     metrics["train/grad_norm"] = S.scalar(_optimizer_step(ctx, step, loss, minibatch))
-    return S.to_floats(metrics), change
+    return S.Finished(metrics), change
 
 
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
@@ -442,7 +442,7 @@ def _reduced_metrics(
     rewards_B: torch.Tensor,
     batch: Batch,
     slices: list[slice],
-    per_mb: list[S.Stats],
+    per_mb: list[S.Finished],
     changes: list[dict[str, list[float]]],
     local: dict[str, float],
     margins: list[list[float]] | None,
@@ -460,7 +460,7 @@ def _reduced_metrics(
     ranks = ctx.dist.gather(
         {
             "rows": torch.stack(rows, 1).tolist(),
-            "per_mb": per_mb,
+            "per_mb": [m.stats for m in per_mb],
             "changes": changes,
             "mb_counts": [_counts(batch, sl) for sl in slices],
             "local": local,
