@@ -1,4 +1,4 @@
-"""Mutation check of the objectives added in issue 16: plant one bug at a time, see the tests catch it.
+"""Mutation check of the objectives (issues 16 and 25): plant one bug at a time, see the tests catch it.
 
     python experiments/mutation_objectives.py            # all mutants, ~10 min on 1 CPU core
     python experiments/mutation_objectives.py gmpo dual  # only mutants whose name contains a word
@@ -19,29 +19,46 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_objectives.py", "tests/test_objectives_extra.py"]
+TESTS = ["tests/test_objectives.py", "tests/test_objectives_extra.py", "tests/test_objectives_stabilisers.py",
+         "tests/test_metric_stats.py"]
 OBJ = "moe_rl/objectives/"
 
 # (name, file, original text, mutated text); the original must occur exactly once.
 MUTANTS = [
-    ("cispo: ratio not stop-gradient", OBJ + "cispo.py", "LOG_RATIO_BOUND)).detach()", "LOG_RATIO_BOUND))"),
+    # issue 25: SAPO, OPSM, the unbiased KL, geometric IS, IcePop, ESS/χ²
+    ("sapo: temperatures swapped", OBJ + "sapo.py", "torch.where(adv > 0, rho.new_tensor(x.tau_pos), rho.new_tensor(x.tau_neg))",
+     "torch.where(adv > 0, rho.new_tensor(x.tau_neg), rho.new_tensor(x.tau_pos))"),
+    ("sapo: gate without 4/τ", OBJ + "sapo.py", "loss = -(gate * 4.0 / tau) * adv", "loss = -gate * adv"),
+    ("opsm: sign of the log-ratio", OBJ + "surrogate.py", "mu_BT - p.logp_BT.detach()", "p.logp_BT.detach() - mu_BT"),
+    ("opsm: drops positive advantages", OBJ + "surrogate.py", "(p.adv_BT >= 0) | (kl_B <= delta)", "(kl_B <= delta)"),
+    ("opsm: mask not applied", OBJ + "surrogate.py", "omega_BT = omega_BT * keep_BT", "omega_BT = omega_BT"),
+    ("kl: unbiased ratio detached", OBJ + "common.py",
+     "r_BT = torch.exp((logp_BT - old_logp_BT).clamp(", "r_BT = torch.exp((logp_BT.detach() - old_logp_BT).clamp("),
+    ("geo IS: product instead of mean", OBJ + "common.py", "(diff_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1))[:, None]",
+     "(diff_BT.sum(-1))[:, None]"),
+    ("icepop: symmetric 1/C band", OBJ + "common.py", 'lo, hi = band if mode == "icepop" else (1.0 / cap, cap)',
+     "lo, hi = (1.0 / cap, cap)"),
+    ("ess: square of the mean", "moe_rl/stats.py", "return p[1] ** 2 / (p[0] * p[2])", "return p[1] / (p[0] * p[2]) ** 0.5"),
+    ("stats: variance combine drops the between term", "moe_rl/stats.py",
+     "qa + qb + delta * delta * na * nb / n", "qa + qb"),
+    ("cispo: ratio not stop-gradient", OBJ + "cispo.py", "r_BT = ratio.value.detach()", "r_BT = ratio.value"),
     (
         "cispo: clip bounds swapped",
         OBJ + "cispo.py",
-        "r_BT.clamp(1.0 - clip_low, 1.0 + clip_high)",
-        "r_BT.clamp(1.0 - clip_high, 1.0 + clip_low)",
+        "r_BT.clamp(1.0 - x.clip_low, 1.0 + x.clip_high)",
+        "r_BT.clamp(1.0 - x.clip_high, 1.0 + x.clip_low)",
     ),
     (
         "cispo: clip metric counts advantage sign",
         OBJ + "cispo.py",
-        "mask_BT & (r_BT > 1.0 + clip_high)",
-        "mask_BT & (r_BT > 1.0 + clip_high) & (adv_BT > 0)",
+        "p.mask_BT & (r_BT > 1.0 + x.clip_high)",
+        "p.mask_BT & (r_BT > 1.0 + x.clip_high) & (p.adv_BT > 0)",
     ),
     (
         "gmpo: advantage sign ignored in the clip",
         OBJ + "gmpo.py",
-        "sign_BT * torch.minimum(sign_BT * d_BT, sign_BT * d_BT.clamp(-clip_low, clip_high))",
-        "torch.minimum(d_BT, d_BT.clamp(-clip_low, clip_high))",
+        "sign_BT * torch.minimum(sign_BT * d_BT, sign_BT * d_BT.clamp(-x.clip_low, x.clip_high))",
+        "torch.minimum(d_BT, d_BT.clamp(-x.clip_low, x.clip_high))",
     ),
     (
         "gmpo: arithmetic mean of ratios",
@@ -52,10 +69,15 @@ MUTANTS = [
     (
         "gmpo: clip bounds swapped",
         OBJ + "gmpo.py",
-        "d_BT.clamp(-clip_low, clip_high)",
-        "d_BT.clamp(-clip_high, clip_low)",
+        "d_BT.clamp(-x.clip_low, x.clip_high)",
+        "d_BT.clamp(-x.clip_high, x.clip_low)",
     ),
-    ("gmpo: IS weight not applied", OBJ + "gmpo.py", "-rho_B * adv_B * is_B", "-rho_B * adv_B"),
+    (
+        "rollout IS: a per-sequence loss ignores the weight (gspo, gmpo)",
+        OBJ + "surrogate.py",
+        "loss = seq_mean(sur.loss * omega_B, mask_BT)",
+        "loss = seq_mean(sur.loss, mask_BT)",
+    ),
     (
         "dual-clip: max instead of min",
         OBJ + "common.py",
@@ -70,9 +92,9 @@ MUTANTS = [
     ),
     (
         "dual-clip metric: threshold off by one",
-        OBJ + "common.py",
-        "(ratio_BT > clip_ratio_c)",
-        "(ratio_BT > 1.0 + clip_ratio_c)",
+        OBJ + "diagnostics.py",
+        "& (ratio_BT > clip_ratio_c))[mask_BT]",
+        "& (ratio_BT > 1.0 + clip_ratio_c))[mask_BT]",
     ),
     (
         "rollout IS: ratio inverted",
@@ -89,26 +111,26 @@ MUTANTS = [
     (
         "rollout IS: mask keeps low ratios",
         OBJ + "common.py",
-        "(rho_BT < 1.0 / cap) | (rho_BT > cap)",
-        "(rho_BT > cap)",
+        "(rho_BT < lo) | (rho_BT > hi)",
+        "(rho_BT > hi)",
     ),
     (
         "rollout IS: metrics after truncation",
         OBJ + "common.py",
-        "rho_N = rho_BT[mask_BT].double()",
-        "rho_N = weight_BT[mask_BT].double()",
+        "rho_N = rho_BT[mask_BT]",
+        "rho_N = weight_BT[mask_BT]",
     ),
     (
-        "rollout IS: grpo ignores the weight",
-        OBJ + "grpo.py",
-        "torch.where(mask_BT, loss_BT * is_BT, 0.0)",
-        "torch.where(mask_BT, loss_BT, 0.0)",
+        "rollout IS: a per-token loss ignores the weight (grpo, cispo, gspo_token)",
+        OBJ + "surrogate.py",
+        "torch.where(mask_BT, sur.loss * omega_BT, 0.0)",
+        "torch.where(mask_BT, sur.loss, 0.0)",
     ),
     (
-        "rollout IS: gspo weight as max",
-        OBJ + "gspo.py",
-        "is_B = is_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)",
-        "is_B = is_BT.amax(-1)",
+        "rollout IS: per-sequence weight as max",
+        OBJ + "surrogate.py",
+        "omega_B = omega_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)",
+        "omega_B = omega_BT.amax(-1)",
     ),
     (
         "rollout IS: missing sampler_logp accepted",

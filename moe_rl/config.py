@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from moe_rl.models.config import DTYPES, ModelConfig
 from moe_rl.objectives import OBJECTIVES, SPECS
-from moe_rl.objectives.common import AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_IS_MODES
+from moe_rl.objectives.common import AGGREGATIONS, KL_ESTIMATOR_NAMES, ROLLOUT_IS_MODES
 from moe_rl.rollout.sampler import SamplerConfig
 from moe_rl.tasks import TASKS, make_task
 from moe_rl.trainer.evaluate import EvalConfig
@@ -58,7 +58,7 @@ class ObjectiveConfig:
     """The policy objective and its clip range (GSPO paper's settings in conf/objective/)."""
 
     name: str = "gspo"
-    """Registry key in moe_rl.objectives.OBJECTIVES: grpo, gspo, gspo_token, cispo, gmpo."""
+    """Registry key in moe_rl.objectives.OBJECTIVES: grpo, gspo, gspo_token, cispo, gmpo, sapo, sapo_seq."""
     preset: str = "gspo"
     """Label of the preset (grpo, grpo_rr, grpo_r3, gspo, gspo_token, cispo, gmpo, grpo_dualclip,
     grpo_tis, ...; see conf/objective/) used in tables and W&B."""
@@ -74,18 +74,31 @@ class ObjectiveConfig:
     beta: float = 0.0
     """KL penalty to the initial (reference) policy, estimated by kl_estimator; 0 as in the paper."""
     kl_estimator: str = "k3"
-    """KL estimator of the beta penalty, δ = ref_logp - logp: k1 (-δ), k2 (δ²/2), k3 (exp δ - δ - 1) or
-    low_var_kl (k3 capped at 10, verl's low_var_kl). Read only when beta > 0."""
+    """KL estimator of the beta penalty, δ = ref_logp - logp: k1 (-δ), k2 (δ²/2), k3 (exp δ - δ - 1),
+    low_var_kl (k3 capped at 10, verl's low_var_kl) or k3_unbiased (k3 times π_θ / π_old, DeepSeek-V3.2's
+    unbiased KL; TRL use_bias_correction_kl). Read only when beta > 0."""
     clip_ratio_c: float | None = None
     """Dual-clip constant c > 1 (grpo, gspo, gspo_token): a negative advantage's loss is capped at c·|Â|
     (Ye et al. 2020; verl clip_ratio_c, default 3). null = off."""
     rollout_is: str = "none"
     """Rollout importance-sampling correction by ρ = π_old / π_sampler: none, token_truncate (TIS),
-    sequence_truncate, token_mask (MIS), sequence_mask. Useful when the sampler differs from the trained
-    model (trainer.sampler_dtype); TRL's vllm_importance_sampling_mode names."""
+    sequence_truncate, token_mask (MIS), sequence_mask (TRL's vllm_importance_sampling_mode names; sequence
+    ρ is the product of token ratios), geo_sequence_truncate, geo_sequence_mask (ρ the geometric mean,
+    length-normalised: Geo-MIS), icepop (two-sided token mask [α, β] = rollout_is_band). Useful when the
+    sampler differs from the trained model (trainer.sampler_dtype)."""
     rollout_is_cap: float = 2.0
     """C > 1 of rollout_is: truncate modes cap ρ at C; mask modes drop tokens or sequences with ρ outside
-    [1/C, C]. Read only when rollout_is is not none."""
+    [1/C, C]. Read only when rollout_is is not none or icepop."""
+    rollout_is_band: list[float] = field(default_factory=lambda: [0.5, 5.0])
+    """[α, β] of rollout_is=icepop, 0 <= α < 1 < β (Ring-1T's 0.5, 5): tokens with ρ outside it are masked."""
+    opsm_delta: float | None = None
+    """Off-policy sequence masking (DeepSeek-V3.2): a sequence's Â < 0 tokens leave the loss when its mean
+    log(π_sampler / π_θ) exceeds δ >= 0 (slime --opsm-delta, default 1e-4; TRL off_policy_mask_threshold).
+    Any objective; null = off."""
+    tau_pos: float = 1.0
+    """SAPO's gate temperature for Â > 0 (sapo, sapo_seq; TRL sapo_temperature_pos, verl tau_pos)."""
+    tau_neg: float = 1.05
+    """SAPO's gate temperature for Â <= 0 (TRL sapo_temperature_neg, verl tau_neg)."""
     normalize_std: bool = True
     """Divide group advantages by the group std (False = Dr. GRPO)."""
     extreme_band: list[float] = field(default_factory=lambda: [0.5, 2.0])
@@ -296,10 +309,19 @@ class Config:
         if not (o.clip_low >= 0 and below_one):
             interval = "[0, 1]" if spec.clip_low_may_be_one else "[0, 1)"
             raise ValueError(f"objective.clip_low={o.clip_low}: must be in {interval} for {o.name}")
-        if o.kl_estimator not in KL_ESTIMATORS:
+        if o.kl_estimator not in KL_ESTIMATOR_NAMES:
             raise ValueError(
-                f"objective.kl_estimator={o.kl_estimator!r}: expected one of {sorted(KL_ESTIMATORS)}"
+                f"objective.kl_estimator={o.kl_estimator!r}: expected one of {list(KL_ESTIMATOR_NAMES)}"
             )
+        if len(o.rollout_is_band) != 2 or not 0 <= o.rollout_is_band[0] < 1 < o.rollout_is_band[1]:
+            raise ValueError(
+                f"objective.rollout_is_band={o.rollout_is_band}: expected [α, β] with 0 <= α < 1 < β"
+            )
+        if o.opsm_delta is not None and not o.opsm_delta >= 0:
+            raise ValueError(f"objective.opsm_delta={o.opsm_delta}: must be >= 0 (or null)")
+        for name in ("tau_pos", "tau_neg"):
+            if not getattr(o, name) > 0:
+                raise ValueError(f"objective.{name}={getattr(o, name)}: SAPO's temperature must be > 0")
         if o.clip_ratio_c is not None and not spec.dual_clip:
             raise ValueError(
                 f"objective.clip_ratio_c={o.clip_ratio_c}: dual-clip caps PPO's min, which {o.name} does not "

@@ -172,6 +172,16 @@ def ref_weight_sums(d, s, adv, mask, name, clip_low, clip_high, band):
     for i in d:
         toks, n = valid(mask, i), len(d[i])
         a_t = [adv_at(adv, i, t).item() for t in toks]
+        if name in ("sapo", "sapo_seq"):  # soft gate: g = 4σ(1 − σ)·ρ on every token within the clamp
+            for k, (x, a) in enumerate(zip(d[i], a_t, strict=True)):
+                rho = math.exp(x) if name == "sapo" else s[i]
+                tau = 1.0 if a > 0 else 1.05
+                sig = 1 / (1 + math.exp(-tau * (rho - 1)))
+                g = 4 * sig * (1 - sig) * rho
+                mag = g * abs(a) / (1 if name == "sapo" else n)
+                judged = rho
+                total, extreme = total + mag, extreme + mag * (not band[0] <= judged <= band[1])
+            continue
         if name in ("grpo", "cispo"):  # per token; cispo keeps every token with its truncated weight
             for x, a in zip(d[i], a_t, strict=True):
                 r = math.exp(x)
@@ -219,9 +229,21 @@ def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)
     n = len(flat_r)
     within_var = [statistics.pvariance(r[i]) for i in rows if len(r[i]) >= 2]
     total, extreme = ref_weight_sums(d, s, adv, mask, name, clip_low, clip_high, weight_band)
-    return {
+    clip = {
         "clip/token_frac": (low + high) / n, "clip/low_frac": low / n, "clip/high_frac": high / n,
         "clip/seq_frac": seq_clipped / len(rows),
+    }
+    if name in ("sapo", "sapo_seq"):  # no hard clip, no clip/* keys; the gate's mean gradient factor instead
+        factors = []
+        for i in rows:
+            for k, t in enumerate(valid(mask, i)):
+                a = adv_at(adv, i, t).item()
+                tau = 1.0 if a > 0 else 1.05
+                sig = 1 / (1 + math.exp(-tau * ((r[i][k] if name == "sapo" else s[i]) - 1)))
+                factors.append(4 * sig * (1 - sig))
+        clip = {"policy/gate_weight/mean": statistics.fmean(factors)}
+    return {
+        **clip,
         "ratio/token/mean": statistics.fmean(flat_r), "ratio/token/var": statistics.pvariance(flat_r),
         "ratio/token/within_seq_var": statistics.fmean(within_var),
         "ratio/token/max": max(flat_r), "ratio/token/min": min(flat_r),
@@ -252,7 +274,7 @@ def test_metrics_match_reference(name, per_token):
     expected = ref_metrics(logp, old, adv, mask, name, **clip, weight_band=weight_band)
     assert set(metrics) == set(expected)
     assert all(type(v) is float for v in metrics.values())
-    assert metrics["ratio/token/extreme_frac"] > 0 and metrics["clip/token_frac"] > 0
+    assert metrics["ratio/token/extreme_frac"] > 0 and metrics.get("clip/token_frac", 1.0) > 0
     assert 0 < metrics["policy/extreme_grad_weight/sum"] < metrics["policy/grad_weight/sum"]
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
@@ -266,11 +288,18 @@ def test_on_policy_has_ratio_one_and_no_clipping(name):
     if name == "cispo":  # a REINFORCE loss: its value is −agg(Â logp); its gradient is on-policy GRPO's
         grpo_loss, _ = OBJECTIVES["grpo"](logp, logp.detach(), adv, mask, **CLIP, loss_agg="token-mean")
         assert_close(grad_of(loss, logp), grad_of(grpo_loss, logp))
+    elif name in ("sapo", "sapo_seq"):  # the gate is σ(0)·4/τ = 2/τ on-policy, its slope 1: GRPO's gradient
+        tau = torch.where(adv > 0, 1.0, 1.05).to(adv.dtype)
+        assert_close(loss, -(2 / tau * adv)[mask.any(-1)].mean())
+        grpo_loss, _ = OBJECTIVES["grpo"](logp, logp.detach(), adv, mask, **CLIP)
+        assert_close(grad_of(loss, logp), grad_of(grpo_loss, logp))
+        assert metrics["policy/gate_weight/mean"] == 1.0 and not any(k.startswith("clip/") for k in metrics)
     else:
         assert_close(loss, -adv[mask.any(-1)].mean())
     for key in ("clip/token_frac", "clip/low_frac", "clip/high_frac", "clip/seq_frac", "ratio/token/var",
                 "ratio/seq/var", "policy/approx_kl", "policy/logp_diff/abs_mean"):
-        assert metrics[key] == 0.0, key
+        if name not in ("sapo", "sapo_seq") or not key.startswith("clip/"):
+            assert metrics[key] == 0.0, key
     for key in ("ratio/token/mean", "ratio/token/max", "ratio/token/min", "ratio/seq/mean", "ratio/seq/max",
                 "ratio/seq/min"):
         assert metrics[key] == 1.0, key

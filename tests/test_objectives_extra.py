@@ -25,7 +25,11 @@ CLIP = {
     "gspo_token": (0.03, 0.04),
     "cispo": (0.2, 0.28),
     "gmpo": (0.1, 0.15),
+    "sapo": (0.2, 0.28),  # not read: SAPO has no hard clip
+    "sapo_seq": (0.2, 0.28),
 }  # asymmetric on purpose; gmpo's are log-space bounds
+TAU = (1.0, 1.05)  # SAPO's default temperatures (TRL, verl)
+BAND = (0.5, 5.0)  # IcePop's default [α, β]
 GAPS = {"small": 0.05, "large": 1.5}
 IS_MODES = [m for m in ROLLOUT_IS_MODES if m != "none"]
 BOUND = 20.0
@@ -64,8 +68,10 @@ def clamp(x: float) -> float:
     return max(-BOUND, min(BOUND, x))
 
 
-def ref_is(old, sampler, mask, mode, cap):
-    """{(i, t): (ρ, ω)} from the TIS/MIS definitions: ρ = π_old/π_sampler per token or per sequence."""
+def ref_is(old, sampler, mask, mode, cap, band=BAND):
+    """{(i, t): (ρ, ω)} from the TIS/MIS definitions: ρ = π_old/π_sampler per token, per sequence (the
+    product), or the sequence's geometric mean (Geo-IS, verl rollout_rs=geometric); IcePop masks tokens
+    outside [α, β]."""
     out = {}
     for i in rows(mask):
         seq_diff = sum(old[i, t].item() - sampler[i, t].item() for t in toks(mask, i))
@@ -73,9 +79,11 @@ def ref_is(old, sampler, mask, mode, cap):
             if mode == "none":
                 out[i, t] = (1.0, 1.0)
                 continue
-            diff = seq_diff if mode.startswith("sequence") else old[i, t].item() - sampler[i, t].item()
+            diff = {"sequence": seq_diff, "geo_sequence": seq_diff / len(toks(mask, i))}.get(
+                mode.rsplit("_", 1)[0], old[i, t].item() - sampler[i, t].item())
             rho = math.exp(clamp(diff))
-            omega = min(rho, cap) if mode.endswith("truncate") else (rho if 1 / cap <= rho <= cap else 0.0)
+            lo, hi = band if mode == "icepop" else (1 / cap, cap)
+            omega = min(rho, cap) if mode.endswith("truncate") else (rho if lo <= rho <= hi else 0.0)
             out[i, t] = (rho, omega)
     return out
 
@@ -126,6 +134,13 @@ def ref_loss(
             )
         elif name == "gspo":
             per_seq.append(ppo_term(torch.exp(sum(d) / len(ts)), a, lo, hi, c) * mean_w)
+        elif name == "sapo":  # SAPO: −σ(τ(r − 1))·4/τ·Â, τ by Â's sign (arXiv 2511.20347)
+            tau = TAU[0] if a > 0 else TAU[1]
+            per_row.append([-torch.sigmoid(tau * (torch.exp(dt) - 1)) * 4 / tau * a * w[i, t][1]
+                            for dt, t in zip(d, ts, strict=True)])
+        elif name == "sapo_seq":  # the same gate on GSPO's s_i
+            tau = TAU[0] if a > 0 else TAU[1]
+            per_seq.append(-torch.sigmoid(tau * (torch.exp(sum(d) / len(ts)) - 1)) * 4 / tau * a * mean_w)
         elif name == "gmpo":  # GMPO: Π_t min(r^σ, clip(r, e^−lo, e^hi)^σ)^(σ/|y|), σ = sign(Â)
             sg = float(torch.sign(a))
             logs = [sg * torch.min(sg * dt, sg * torch.clamp(dt, -lo, hi)) for dt in d]
@@ -294,12 +309,15 @@ def test_rollout_is_matches_reference(name, mode, gap):
     assert_close(loss, expected)
     assert_close(grad_of(loss, logp), grad_of(expected, logp))
     rhos = [rho for rho, _ in w.values()]
-    outside = [rho > cap if mode.endswith("truncate") else not 1 / cap <= rho <= cap for rho in rhos]
+    lo, hi = BAND if mode == "icepop" else (1 / cap, cap)
+    outside = [rho > cap if mode.endswith("truncate") else not lo <= rho <= hi for rho in rhos]
     frac_key = "rollout_is/clipped_frac" if mode.endswith("truncate") else "rollout_is/masked_frac"
     assert {k for k in metrics if k.startswith("rollout_is/")} == {
         "rollout_is/mean",
         "rollout_is/max",
         frac_key,
+        "rollout_is/ess",  # issue 25: with any correction on
+        "rollout_is/chi2",
     }
     assert metrics["rollout_is/mean"] == pytest.approx(sum(rhos) / len(rhos), rel=1e-12)
     assert metrics["rollout_is/max"] == pytest.approx(max(rhos), rel=1e-12)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 CAP = 1.5
 
 
-def trl_trainer(tmp_path, loss_type: str, mode: str):
+def trl_trainer(tmp_path, loss_type: str, mode: str, level: str = "token", opsm: float | None = None):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -50,6 +50,10 @@ def trl_trainer(tmp_path, loss_type: str, mode: str):
         vllm_importance_sampling_mode=mode if mode != "none" else "sequence_mask",
         vllm_importance_sampling_clip_max=CAP,
         vllm_importance_sampling_clip_min=1 / CAP if mode.endswith("mask") else None,
+        importance_sampling_level=level,
+        off_policy_mask_threshold=opsm,
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05,
     )
     trainer = GRPOTrainer(
         model=model,
@@ -75,20 +79,21 @@ def trl_is_weight(old_BT, sampler_BT, mask_BT, mode):
 
 
 @pytest.mark.parametrize(
-    ("loss_type", "mode"),
+    ("loss_type", "mode", "level", "opsm"),
     [
-        ("cispo", "none"),
-        ("cispo", "token_truncate"),
-        ("grpo", "token_truncate"),
-        ("grpo", "token_mask"),
-        ("grpo", "sequence_truncate"),
-        ("grpo", "sequence_mask"),
-        ("grpo", "none"),
+        *[(lt, m, "token", None) for lt, m in [("cispo", "none"), ("cispo", "token_truncate"),
+          ("grpo", "token_truncate"), ("grpo", "token_mask"), ("grpo", "sequence_truncate"),
+          ("grpo", "sequence_mask"), ("grpo", "none")]],
+        ("sapo", "none", "token", None),  # issue 25: SAPO, token and sequence level
+        ("sapo", "token_truncate", "sequence", None),
+        ("grpo", "none", "token", 0.05),  # off-policy sequence masking (TRL off_policy_mask_threshold)
+        ("sapo", "token_mask", "token", 0.05),
     ],
 )
-def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode):
-    """moe-rl's cispo/grpo with rollout_is=mode equal TRL's loss_type with that IS mode: value and gradients."""
-    trainer = trl_trainer(tmp_path, loss_type, mode)
+def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode, level, opsm):
+    """moe-rl's cispo/grpo/sapo with rollout_is=mode (and opsm_delta) equal TRL's loss_type with that IS
+    mode, importance_sampling_level and off_policy_mask_threshold: value and gradients."""
+    trainer = trl_trainer(tmp_path, loss_type, mode, level, opsm)
     model = trainer.model
     g = torch.Generator().manual_seed(1)
     B, P, R = 8, 4, 6
@@ -114,6 +119,8 @@ def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode):
     }
     if mode != "none":
         inputs["importance_sampling_ratio"] = trl_is_weight(old_BR, sampler_BR, mask_BR, mode)
+    if opsm is not None:  # TRL's OPSM reads the sampler's log-probs when it has them (vLLM), else π_old's
+        inputs["sampling_per_token_logps"] = sampler_BR if mode != "none" else old_BR
 
     params = [p for p in model.parameters() if p.requires_grad]
     trl_loss = trainer._compute_loss(model, inputs)
@@ -123,16 +130,18 @@ def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode):
     clip = (
         {"clip_low": 1.0, "clip_high": 4.0} if loss_type == "cispo" else {"clip_low": 0.2, "clip_high": 0.28}
     )
-    loss, metrics = OBJECTIVES[loss_type](
+    name = "sapo_seq" if (loss_type, level) == ("sapo", "sequence") else loss_type
+    loss, metrics = OBJECTIVES[name](
         logp_BR,
         old_BR,
         adv_B,
         mask_BR.bool(),
         **clip,
         loss_agg="token-mean" if loss_type == "cispo" else "seq-mean-token-mean",
-        sampler_logp=sampler_BR,
+        sampler_logp=sampler_BR if mode != "none" or opsm is None else None,
         rollout_is=mode,
         rollout_is_cap=CAP,
+        opsm_delta=opsm,
     )
     grads = torch.autograd.grad(loss, params, allow_unused=True)
 
@@ -145,3 +154,5 @@ def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode):
     if mode != "none":  # the correction is exercised: some weights are truncated or masked
         frac = metrics.get("rollout_is/clipped_frac", metrics.get("rollout_is/masked_frac"))
         assert 0 < frac < 1
+    if opsm is not None:  # the mask is exercised: some sequences dropped, not all
+        assert 0 < metrics["policy/opsm_masked_frac"] < 1

@@ -2,32 +2,46 @@ r"""Policy objectives for RL of (MoE) language models: GRPO, GSPO and GSPO-token
 CISPO (arXiv 2506.13585) and GMPO (arXiv 2507.20673), with dual-clip, rollout importance-sampling
 correction and a choice of KL estimator as options.
 
-Every objective is a pure function with one signature, so the trainer picks it by name and calls it
-the same way whichever it is:
+One surrogate, many ratios (`surrogate.py`): an objective is a ratio and a surrogate, and `compute` does the
+rest once for all of them (rollout correction, aggregation, KL penalty, diagnostics):
 
-    loss, metrics = OBJECTIVES[name](logp_BT, old_logp_BT, adv_B_or_BT, mask_BT,
-                                     clip_low=..., clip_high=..., loss_agg=..., max_len=...,
-                                     beta=..., ref_logp=..., extreme_band=..., kl_estimator=...,
-                                     clip_ratio_c=..., sampler_logp=..., rollout_is=..., rollout_is_cap=...,
-                                     extreme_weight_band=...)
+| name | ratio | surrogate |
+|---|---|---|
+| grpo | `token_ratio` w_it (Eq. 3) | `ppo_clip` (Eq. 2; dual-clip) |
+| gspo | `seq_ratio` s_i (Eq. 7) | `ppo_clip` (Eq. 5; dual-clip) |
+| gspo_token | `seq_token_ratio` s_it = sg[s_i]·π_θ/sg[π_θ] (Eq. 14) | `ppo_clip` (Eq. 13) |
+| cispo | `token_ratio`, detached | `truncated_weight_reinforce` −sg(clip(r))·Â·log π |
+| gmpo | `geo_mean_clipped_ratio` (each log d_it clipped, then the mean) | `policy_gradient` −ρÂ |
+| sapo | `token_ratio` w_it | `soft_gate` −σ(τ(w − 1))·4/τ·Â (arXiv 2511.20347) |
+| sapo_seq | `seq_ratio` s_i | `soft_gate` |
 
-GRPO and GSPO differ only in the importance ratio they clip: w_it per token (GRPO) or s_i per sequence
-(GSPO). GMPO clips each token's log-ratio and then takes the sequence's geometric mean; CISPO clips the
-ratio's weight on a REINFORCE term instead of the surrogate. Unknown keywords raise TypeError; values that
-cannot apply (loss_agg other than seq-mean-token-mean for gspo or gmpo, beta > 0 without ref_logp, a
-dual-clip constant for cispo or gmpo, rollout_is without sampler_logp) raise ValueError. `SPECS` states
-per objective which options apply, for start-up validation of the config.
+Options every objective takes on top: `opsm_delta` (off-policy sequence masking, DeepSeek-V3.2) multiplies
+ω by the mask `surrogate.opsm_keep`; `kl_estimator=k3_unbiased` weights k3 by π_θ / π_old.
+
+So GRPO and GSPO differ only in the ratio. The trainer builds one `ObjectiveInputs` value (the tensors and
+the options) and calls `OBJECTIVES[name].compute(inputs)`, which returns `(loss, Stats)`: metrics as sums
+and counts (`moe_rl.stats`) that reduce exactly over ranks and mini-batches, with no list of names.
+Any other caller may use the keyword form, which builds the inputs and returns float metrics:
+
+    loss, metrics = OBJECTIVES[name](logp_BT, old_logp_BT, adv_B_or_BT, mask_BT, clip_low=..., clip_high=...,
+                                     loss_agg=..., max_len=..., beta=..., ref_logp=..., ...)
+
+Unknown keywords raise TypeError; values that cannot apply (loss_agg other than seq-mean-token-mean for
+gspo or gmpo, beta > 0 without ref_logp, a dual-clip constant for cispo or gmpo, rollout_is without
+sampler_logp) raise ValueError. `SPECS` (each name's `Objective`) states which options apply, for
+start-up validation of the config.
 
 Options every objective takes (see common.py): `kl_estimator` ∈ {k1, k2, k3, low_var_kl} picks the
 penalty kl(logp, ref) in `beta · agg(kl)`, with δ = ref_logp − logp: k1 = −δ, k2 = δ²/2,
 k3 = exp(δ) − δ − 1, low_var_kl = min(k3, 10). `rollout_is` ∈ {none, token_truncate, token_mask,
-sequence_truncate, sequence_mask} multiplies each token's loss by ω = a function of
-ρ = π_old / π_sampler (see `common.rollout_is_weight`), capped at `rollout_is_cap` (truncate) or zero
-outside [1/cap, cap] (mask). `clip_ratio_c` (grpo, gspo, gspo_token) is dual-clip's c.
+sequence_truncate, sequence_mask, geo_sequence_truncate, geo_sequence_mask, icepop} multiplies each
+token's loss by ω = a function of ρ = π_old / π_sampler (see `common.rollout_is_weight`), capped at
+`rollout_is_cap` (truncate) or zero outside [1/cap, cap] (mask; icepop: outside `rollout_is_band`). `clip_ratio_c` (grpo, gspo, gspo_token) is dual-clip's c.
 
 ## Metrics
 
-Python floats, computed under `no_grad` in float64 over valid tokens only. Notation: d_it = logp_it −
+`Stats` from `compute` (floats from the keyword form), computed under `no_grad` in float64 over valid
+tokens only; each is a (sum, count) pair, an extreme, or a sum (`moe_rl.stats`). Notation: d_it = logp_it −
 old_logp_it; r_it = exp(clamp(d_it, ±20)) the token ratio; s_i = exp(clamp(mean_t d_it, ±20)) the
 sequence ratio; ρ_it the ratio the objective clips (w_it = r_it for grpo, s_i for gspo and gspo_token);
 N = valid tokens; B' = sequences with at least one valid token; [·] = 1 if true else 0;
@@ -59,7 +73,10 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `clip/dual_frac` | clip_ratio_c set only: 1/N Σ [Â_it < 0 ∧ ρ_it > c], tokens whose loss dual-clip caps at c·\|Â_it\| (zero gradient); not counted in `clip/token_frac` |
 | `rollout_is/mean`, `rollout_is/max` | rollout_is ≠ none only: 1/N Σ q_it and max q_it of the sampler correction q_it = exp(clamp(old_logp_it − sampler_logp_it, ±20)) before truncation or masking; sequence modes use q_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) at each of the sequence's tokens |
 | `rollout_is/clipped_frac` | *_truncate only: 1/N Σ [q_it > cap] |
-| `rollout_is/masked_frac` | *_mask only: 1/N Σ [q_it ∉ [1/cap, cap]] (tokens, or every token of a masked sequence) |
+| `rollout_is/masked_frac` | *_mask and icepop only: 1/N Σ [q_it ∉ [1/cap, cap]] (icepop: ∉ rollout_is_band; tokens, or every token of a masked sequence); geo_sequence_* use q_i = exp(clamp(1/n_i Σ_t (old_logp_it − sampler_logp_it), ±20)) |
+| `rollout_is/ess`, `rollout_is/chi2` | rollout_is ≠ none, or mismatch_diagnostics (the trainer: trainer.sampler_dtype set): over non-empty sequences, w_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) = π_old(y_i)/π_sampler(y_i); ESS = (Σ w)² / (B' Σ w²) ∈ (0, 1], χ² = 1/B' Σ w² − 1 |
+| `policy/opsm_masked_frac` | opsm_delta set only: 1/N Σ [Â_it < 0 ∧ 1/n_i Σ_t (sampler_logp_it − logp_it) > δ], the tokens off-policy sequence masking drops |
+| `policy/gate_weight/mean` | sapo, sapo_seq only (instead of `clip/*`): 1/N Σ 4σ_it(1 − σ_it), σ = σ(τ(ρ − 1)), the gate's gradient factor (1 on-policy) |
 
 Gradient-carrying entries k of the two `*grad_weight/sum` rows, their weight g_k on Â ∇logp and the ratio
 ρ_k judged extreme (the issue's Σ|w_it·Â_i| over unclipped tokens, and its sequence analogue):
@@ -71,6 +88,7 @@ Gradient-carrying entries k of the two `*grad_weight/sum` rows, their weight g_k
 - gmpo: sequences; ρ = s_i (before the clip), g = the clipped geometric mean ρ_i, with |Â_i| scaled by the
   fraction of the sequence's tokens that keep a gradient (not clipped, |d_it| ≤ 20).
 - cispo: drops no token's gradient, so every valid token counts; ρ = r_it, g = its truncated weight r̂_it.
+- sapo, sapo_seq: tokens (sequences) within the log-ratio clamp; g = 4σ(1 − σ)·ρ, ρ = r_it (s_i).
 Neither the rollout IS weight ω nor the aggregation's 1/|y_i| or 1/N enters g.
 
 For cispo, low_it = [r_it < 1 − clip_low] and high_it = [r_it > 1 + clip_high] whatever Â's sign: the
@@ -80,79 +98,19 @@ and high_it = [Â_i > 0 ∧ d_it > clip_high]: the token's log-space clip is act
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from moe_rl.objectives.cispo import CISPO, cispo
+from moe_rl.objectives.common import group_advantages
+from moe_rl.objectives.gmpo import GMPO, gmpo
+from moe_rl.objectives.grpo import GRPO, grpo
+from moe_rl.objectives.gspo import GSPO, GSPO_TOKEN, gspo, gspo_token
+from moe_rl.objectives.sapo import SAPO, SAPO_SEQ
+from moe_rl.objectives.surrogate import Objective, ObjectiveInputs
 
-from torch import Tensor
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (GRPO, GSPO, GSPO_TOKEN, CISPO, GMPO, SAPO, SAPO_SEQ)}
+"""The registry: the one lookup the trainer (and config validation) makes."""
+SPECS = OBJECTIVES
+"""Which options each objective gives a meaning to (its `Objective` fields); the same values as OBJECTIVES."""
+ObjectiveSpec = Objective
 
-from moe_rl.objectives.cispo import cispo
-from moe_rl.objectives.common import AGGREGATIONS, SEQ_MEAN_TOKEN_MEAN, group_advantages
-from moe_rl.objectives.gmpo import gmpo
-from moe_rl.objectives.grpo import grpo
-from moe_rl.objectives.gspo import gspo, gspo_token
-
-
-class Objective(Protocol):
-    """The signature every entry of OBJECTIVES has; see `grpo` for the meaning of each argument."""
-
-    def __call__(
-        self,
-        logp: Tensor,
-        old_logp: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        clip_low: float,
-        clip_high: float,
-        loss_agg: str = ...,
-        max_len: int | None = ...,
-        beta: float = ...,
-        ref_logp: Tensor | None = ...,
-        extreme_band: tuple[float, float] = ...,
-        kl_estimator: str = ...,
-        clip_ratio_c: float | None = ...,
-        sampler_logp: Tensor | None = ...,
-        rollout_is: str = ...,
-        rollout_is_cap: float = ...,
-        extreme_weight_band: tuple[float, float] = ...,
-    ) -> tuple[Tensor, dict[str, float]]: ...
-
-
-@dataclass(frozen=True)
-class ObjectiveSpec:
-    """Which options an objective gives a meaning to (the functions raise on the rest; config reads it)."""
-
-    loss_aggs: tuple[str, ...]
-    """The loss_agg values it defines (a per-sequence loss has only seq-mean-token-mean)."""
-    dual_clip: bool
-    """Whether clip_ratio_c applies (PPO's min is there to cap)."""
-    seq_advantages_only: bool
-    """Whether advantages must be [B] (the trainer's are)."""
-    clip_low_may_be_one: bool
-    """Whether clip_low = 1 (no lower bound) is allowed."""
-    ratio: str
-    """The importance ratio the objective weights its gradient by, `token` (r_it) or `seq` (s_i; gmpo's
-    geometric mean of token ratios is s_i before its clip): collapse detection watches `ratio/<ratio>/*`."""
-
-
-_ALL_AGGS = tuple(AGGREGATIONS)
-_SEQ = (SEQ_MEAN_TOKEN_MEAN,)
-SPECS: dict[str, ObjectiveSpec] = {
-    "grpo": ObjectiveSpec(loss_aggs=_ALL_AGGS, dual_clip=True, seq_advantages_only=False,
-                          clip_low_may_be_one=False, ratio="token"),
-    "gspo": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=True, seq_advantages_only=True,
-                          clip_low_may_be_one=False, ratio="seq"),
-    "gspo_token": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=True, seq_advantages_only=False,
-                                clip_low_may_be_one=False, ratio="seq"),
-    "cispo": ObjectiveSpec(loss_aggs=_ALL_AGGS, dual_clip=False, seq_advantages_only=False,
-                           clip_low_may_be_one=True, ratio="token"),
-    "gmpo": ObjectiveSpec(loss_aggs=_SEQ, dual_clip=False, seq_advantages_only=True,
-                          clip_low_may_be_one=False, ratio="seq"),
-}
-
-OBJECTIVES: dict[str, Objective] = {
-    "grpo": grpo, "gspo": gspo, "gspo_token": gspo_token, "cispo": cispo, "gmpo": gmpo,
-}
-
-__all__ = ["OBJECTIVES", "SPECS", "Objective", "ObjectiveSpec", "cispo", "gmpo", "group_advantages", "grpo",
-           "gspo", "gspo_token"]
+__all__ = ["OBJECTIVES", "SPECS", "Objective", "ObjectiveInputs", "ObjectiveSpec", "cispo", "gmpo",
+           "group_advantages", "grpo", "gspo", "gspo_token"]

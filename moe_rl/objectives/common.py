@@ -1,4 +1,5 @@
-"""Pieces shared by the objectives: input checks, loss aggregation, the k3 KL, diagnostics, advantages.
+"""Pieces shared by the objectives: option checks, loss aggregation, KL estimators, the rollout IS weight,
+ratio statistics by length, advantages.
 
 Shape legend: B = sequences in the batch, T = padded token positions, N = groups, G = group size (B = N·G).
 `mask_BT` is True at valid response tokens; "B'" below is the number of sequences with at least one.
@@ -13,6 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from moe_rl import stats
+from moe_rl.stats import Stats
+
 LOG_RATIO_BOUND = 20.0
 """Log-ratios are clamped to [-20, 20] before exp, so ratios lie in [2.1e-9, 4.9e8] and stay finite in
 float32, squares included. Beyond the bound the clamp passes no gradient: a token (GRPO) or a sequence
@@ -22,34 +26,10 @@ SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 DEFAULT_EXTREME_BAND = (0.5, 2.0)
 DEFAULT_EXTREME_WEIGHT_BAND = (0.1, 10.0)
 """Ratios outside it count as extreme in `policy/extreme_weight_share` (objective.extreme_weight_band)."""
+DEFAULT_ICEPOP_BAND = (0.5, 5.0)
+"""IcePop's [α, β] (Ring-1T, arXiv 2510.18855): tokens with π_train / π_infer outside it are masked."""
 
 Aggregate = Callable[[Tensor, Tensor], Tensor]
-
-
-def prepare(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """Check shapes, cast to float32 at least (float64 stays float64) and zero every padded entry.
-
-    Zeroing with `torch.where` keeps NaN/inf padding out of both the values and the gradients.
-    """
-    if mask.dtype != torch.bool:
-        raise ValueError(f"mask must be a bool tensor, got {mask.dtype}; pass mask.bool()")
-    if mask.dim() != 2 or logp.shape != mask.shape or old_logp.shape != mask.shape:
-        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
-                         f"{tuple(mask.shape)} must share one [B, T] shape")
-    if advantages.shape not in (mask.shape[:1], mask.shape):
-        raise ValueError(f"advantages must be [B] or [B, T] with [B, T] = {list(mask.shape)}, "
-                         f"got {list(advantages.shape)}")
-    if ref_logp is not None and ref_logp.shape != mask.shape:
-        raise ValueError(f"ref_logp must be [B, T] = {list(mask.shape)}, got {list(ref_logp.shape)}")
-    dtype = torch.promote_types(logp.dtype, torch.float32)
-
-    def clean(x: Tensor) -> Tensor:
-        return torch.where(mask, x.to(dtype), 0.0)
-
-    adv = advantages.to(dtype) if advantages.dim() == 1 else clean(advantages)
-    return clean(logp), clean(old_logp), adv, mask, None if ref_logp is None else clean(ref_logp)
 
 
 def check_options(
@@ -86,15 +66,18 @@ def check_corrections(
     sampler_logp: Tensor | None,
     rollout_is: str,
     rollout_is_cap: float,
+    rollout_is_band: tuple[float, float] = DEFAULT_ICEPOP_BAND,
 ) -> None:
     """Raise ValueError on a KL estimator, dual-clip constant or rollout-IS setting that cannot apply."""
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    if kl_estimator not in KL_ESTIMATOR_NAMES:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {KL_ESTIMATOR_NAMES}")
+    if rollout_is == "icepop" and not 0.0 <= rollout_is_band[0] < 1.0 < rollout_is_band[1]:
+        raise ValueError(f"rollout_is_band must be [α, β] with 0 <= α < 1 < β, got {rollout_is_band}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (dual-clip caps at c·|A|), got {clip_ratio_c}")
     if rollout_is not in ROLLOUT_IS_MODES:
         raise ValueError(f"unknown rollout_is {rollout_is!r}; choose one of {ROLLOUT_IS_MODES}")
-    if rollout_is != "none" and not rollout_is_cap > 1.0:
+    if rollout_is not in ("none", "icepop") and not rollout_is_cap > 1.0:
         raise ValueError(f"rollout_is_cap must be > 1, got {rollout_is_cap}")
     if rollout_is != "none" and (sampler_logp is None or sampler_logp.shape != mask.shape):
         got = None if sampler_logp is None else list(sampler_logp.shape)
@@ -179,6 +162,12 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k3": k3,  # exp(δ) − δ − 1: unbiased, ≥ 0
     "low_var_kl": lambda logp, ref: k3(logp, ref).clamp(max=LOW_VAR_KL_CAP),
 }
+IS_WEIGHTED_KL = {"k3_unbiased": "k3"}
+"""Estimators of KL(π_θ ‖ π_ref) on samples from π_old: the base estimator times r_it = π_θ / π_old
+(DeepSeek-V3.2, arXiv 2512.02556, §3.1, "unbiased KL estimate"; TRL use_bias_correction_kl, slime
+--use-unbiased-kl). As in TRL and slime r carries the gradient: ∇(r·k3) = r·(logp − ref_logp)·∇logp,
+the unbiased gradient of the reverse KL, whereas sg(r)·∇k3 would not be (π_old is the constant)."""
+KL_ESTIMATOR_NAMES = (*KL_ESTIMATORS, *IS_WEIGHTED_KL)
 
 
 def kl_penalty(
@@ -188,139 +177,88 @@ def kl_penalty(
     beta: float,
     aggregate: Aggregate,
     estimator: str = "k3",
-) -> tuple[Tensor, dict[str, float]]:
-    """beta · agg(kl(logp, ref_logp)) and its `policy/ref_kl` metric; nothing at all when beta == 0.
+    old_logp_BT: Tensor | None = None,
+) -> tuple[Tensor, Stats]:
+    """beta · agg(kl(logp, ref_logp)) and its `policy/ref_kl` stat; nothing at all when beta == 0.
 
-    `estimator` picks kl from KL_ESTIMATORS (k1, k2, k3, low_var_kl); the default k3 is the GRPO paper's."""
+    `estimator` picks kl from KL_ESTIMATORS (k1, k2, k3, low_var_kl; the default k3 is the GRPO paper's),
+    or IS_WEIGHTED_KL (k3_unbiased: exp(clamp(logp − old_logp, ±LOG_RATIO_BOUND)) · k3, needs old_logp).
+    `policy/ref_kl` is agg(kl), kept as (agg(kl)·w, w) with w the aggregation's own denominator (tokens
+    for token-mean, non-empty sequences otherwise), so pooling ranks weighs each as the loss does."""
     if beta == 0.0 or ref_logp_BT is None:
         return logp_BT.new_zeros(()), {}
-    kl = aggregate(torch.where(mask_BT, KL_ESTIMATORS[estimator](logp_BT, ref_logp_BT), 0.0), mask_BT)
-    return beta * kl, {"policy/ref_kl": kl.item()}
+    if estimator in IS_WEIGHTED_KL:
+        assert old_logp_BT is not None
+        r_BT = torch.exp((logp_BT - old_logp_BT).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        kl_BT = r_BT * KL_ESTIMATORS[IS_WEIGHTED_KL[estimator]](logp_BT, ref_logp_BT)
+    else:
+        kl_BT = KL_ESTIMATORS[estimator](logp_BT, ref_logp_BT)
+    kl = aggregate(torch.where(mask_BT, kl_BT, 0.0), mask_BT)
+    w = (mask_BT.sum() if aggregate is token_mean else mask_BT.any(-1).sum()).double()
+    return beta * kl, {"policy/ref_kl": stats.ratio(kl.detach().double() * w, w)}
 
 
-ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-"""Rollout importance-sampling correction modes; the names are TRL's `vllm_importance_sampling_mode`."""
+ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                    "geo_sequence_truncate", "geo_sequence_mask", "icepop")
+"""Rollout importance-sampling correction modes: TRL's `vllm_importance_sampling_mode` names, the
+geometric-mean sequence modes of "When Speed Kills Stability" (verl rollout_rs=geometric), and IcePop."""
 
 
 def rollout_is_weight(
-    old_logp_BT: Tensor, sampler_logp: Tensor | None, mask_BT: Tensor, mode: str, cap: float
-) -> tuple[Tensor, dict[str, float]]:
+    old_logp_BT: Tensor,
+    sampler_logp: Tensor | None,
+    mask_BT: Tensor,
+    mode: str,
+    cap: float,
+    band: tuple[float, float] = DEFAULT_ICEPOP_BAND,
+    diagnostics: bool = False,
+) -> tuple[Tensor, Stats]:
     """Weight ω on each token's loss correcting for sampler/trainer mismatch, and its `rollout_is/*` metrics.
 
-        token modes:     ρ_it = exp(clamp(old_logp_it − sampler_logp_it, ±LOG_RATIO_BOUND))
-        sequence modes:  ρ_i  = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±LOG_RATIO_BOUND)), all t
+        token modes, icepop:  ρ_it = exp(clamp(old_logp_it − sampler_logp_it, ±LOG_RATIO_BOUND))
+        sequence modes:       ρ_i  = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±LOG_RATIO_BOUND)), all t
+        geo_sequence modes:   ρ_i  = exp(clamp(1/|y_i| Σ_t (old_logp_it − sampler_logp_it), ±B)), all t
         *_truncate (TIS, Yao et al. 2025):  ω = min(ρ, cap)
         *_mask     (MIS):                   ω = ρ · [1/cap ≤ ρ ≤ cap]   (tokens or sequences dropped)
+        icepop (Ring-1T, arXiv 2510.18855): ω = ρ · [α ≤ ρ ≤ β], [α, β] = band (two-sided token mask)
 
-    As in TRL, the weight multiplies the objective's per-token loss after its clip, before aggregation,
-    and a masked token still counts in the aggregation's denominator (verl's rejection sampling removes
-    it from the mask instead). ω carries no gradient: both log-probs are constants of the step. Mode
-    "none" returns ω = 1 (0 at padding, as every mode) and no metrics. Metrics (float64, over valid
-    tokens; sequence modes count each token of a sequence with that sequence's ρ_i): `rollout_is/mean`
-    and `rollout_is/max` of ρ before truncation or masking, `rollout_is/clipped_frac` (truncate modes)
-    1/N Σ [ρ > cap], `rollout_is/masked_frac` (mask modes) 1/N Σ [ρ ∉ [1/cap, cap]].
+    The geometric mean (Liu, Li et al. 2025, "When Speed Kills Stability": Geo-MIS) is length-normalised:
+    a 32-token answer's product ratio leaves [1/C, C] far more easily than a 4-token one's, its geometric
+    mean does not. As in TRL, the weight multiplies the objective's per-token loss after its clip, before
+    aggregation, and a masked token still counts in the aggregation's denominator (verl's rejection
+    sampling, rollout_rs=geometric, masks with weight 1 and removes it from the mask instead). ω carries no
+    gradient. Mode "none" returns ω = 1 (0 at padding, as every mode). Metrics (float64, over valid
+    tokens; sequence modes count each token of a sequence with that sequence's ρ_i): `rollout_is/mean` and
+    `rollout_is/max` of ρ before truncation or masking, `rollout_is/clipped_frac` (truncate modes)
+    1/N Σ [ρ > cap], `rollout_is/masked_frac` (mask modes, icepop) 1/N Σ [ρ outside its band]; with any
+    mode but none, or `diagnostics`, `rollout_is/ess` and `rollout_is/chi2` of the per-sequence weights
+    w_i = π_old(y_i) / π_sampler(y_i) = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±LOG_RATIO_BOUND))
+    over non-empty sequences: (Σ w)² / (B' Σ w²) and mean(w²) − 1 (VCPO, arXiv 2602.17616; verl's χ²).
     """
+    ones_BT = mask_BT.to(old_logp_BT.dtype)
+    if sampler_logp is None or (mode == "none" and not diagnostics):
+        return ones_BT, {}
+    diff_BT = torch.where(mask_BT, old_logp_BT - sampler_logp.to(old_logp_BT.dtype), 0.0).detach()
+    seq_w_B = diff_BT.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()[mask_BT.any(-1)]
+    out = {"rollout_is/ess": stats.ess(seq_w_B), "rollout_is/chi2": stats.chi2(seq_w_B)}
     if mode == "none":
-        return mask_BT.to(old_logp_BT.dtype), {}
-    assert sampler_logp is not None  # check_options guarantees it
-    diff_BT = torch.where(mask_BT, old_logp_BT - sampler_logp.to(old_logp_BT.dtype), 0.0)
+        return ones_BT, out
     if mode.startswith("sequence"):
         diff_BT = diff_BT.sum(-1, keepdim=True).expand_as(diff_BT)
-    rho_BT = diff_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp().detach()
-    outside_BT = (rho_BT > cap) if mode.endswith("truncate") else (rho_BT < 1.0 / cap) | (rho_BT > cap)
+    elif mode.startswith("geo_sequence"):
+        diff_BT = (diff_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1))[:, None].expand_as(diff_BT)
+    rho_BT = diff_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    lo, hi = band if mode == "icepop" else (1.0 / cap, cap)
+    outside_BT = (rho_BT > cap) if mode.endswith("truncate") else (rho_BT < lo) | (rho_BT > hi)
     weight_BT = rho_BT.clamp(max=cap) if mode.endswith("truncate") else torch.where(outside_BT, 0.0, rho_BT)
-    rho_N = rho_BT[mask_BT].double()
+    rho_N = rho_BT[mask_BT]
     frac_key = "rollout_is/clipped_frac" if mode.endswith("truncate") else "rollout_is/masked_frac"
-    return torch.where(mask_BT, weight_BT, 0.0), _floats({
-        "rollout_is/mean": rho_N.mean(),
-        "rollout_is/max": rho_N.max() if rho_N.numel() else rho_N.new_tensor(float("nan")),
-        frac_key: outside_BT[mask_BT].double().mean(),
-    })
-
-
-def _floats(metrics: dict[str, Tensor]) -> dict[str, float]:
-    """0-d tensors to Python floats with one device sync. An empty mean is NaN, never a placeholder 0."""
-    return dict(zip(metrics, torch.stack([v.double() for v in metrics.values()]).tolist(), strict=True))
-
-
-@torch.no_grad()
-def clip_metrics(
-    ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, clip_low: float, clip_high: float
-) -> dict[str, float]:
-    """Fractions of valid tokens (and of non-empty sequences) whose clip is active, i.e. zero gradient."""
-    low_BT = mask_BT & (adv_BT < 0) & (ratio_BT < 1.0 - clip_low)
-    high_BT = mask_BT & (adv_BT > 0) & (ratio_BT > 1.0 + clip_high)
-    return clip_fracs(low_BT, high_BT, mask_BT)
-
-
-@torch.no_grad()
-def clip_fracs(low_BT: Tensor, high_BT: Tensor, mask_BT: Tensor) -> dict[str, float]:
-    """The four `clip/*` fractions from [B, T] bool masks of tokens clipped at the low and high bound."""
-    clipped_BT = low_BT | high_BT
-    return _floats({
-        "clip/token_frac": clipped_BT[mask_BT].double().mean(),
-        "clip/low_frac": low_BT[mask_BT].double().mean(),
-        "clip/high_frac": high_BT[mask_BT].double().mean(),
-        "clip/seq_frac": clipped_BT.any(-1)[mask_BT.any(-1)].double().mean(),
-    })
-
-
-@torch.no_grad()
-def dual_clip_metrics(
-    ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, clip_ratio_c: float | None
-) -> dict[str, float]:
-    """`clip/dual_frac`: fraction of valid tokens whose dual-clip cap is active (Â < 0, ρ > c); {} if off."""
-    if clip_ratio_c is None:
-        return {}
-    capped_BT = mask_BT & (adv_BT < 0) & (ratio_BT > clip_ratio_c)
-    return _floats({"clip/dual_frac": capped_BT[mask_BT].double().mean()})
-
-
-@torch.no_grad()
-def ppo_keep(
-    ratio_BT: Tensor,
-    adv_BT: Tensor,
-    mask_BT: Tensor,
-    clip_low: float,
-    clip_high: float,
-    clip_ratio_c: float | None,
-    in_bound_BT: Tensor,
-) -> Tensor:
-    """[B, T] bool: valid tokens whose gradient under `clipped_surrogate` is not zeroed: neither clip of
-    the min is active (Â < 0 ∧ ρ < 1 − clip_low, Â > 0 ∧ ρ > 1 + clip_high), nor dual-clip's cap
-    (Â < 0 ∧ ρ > c), and the log-ratio lies within ±LOG_RATIO_BOUND (`in_bound_BT`; beyond it the clamp
-    passes no gradient)."""
-    clipped_BT = ((adv_BT < 0) & (ratio_BT < 1.0 - clip_low)) | ((adv_BT > 0) & (ratio_BT > 1.0 + clip_high))
-    if clip_ratio_c is not None:
-        clipped_BT = clipped_BT | ((adv_BT < 0) & (ratio_BT > clip_ratio_c))
-    return mask_BT & ~clipped_BT & in_bound_BT
-
-
-@torch.no_grad()
-def seq_kept_adv(adv_BT: Tensor, keep_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """[B] 1/n_i Σ_t keep_it |Â_it|: a sequence's advantage magnitude over its gradient-carrying tokens
-    (|Â_i| for a sequence clipped whole or not at all under per-sequence advantages; 0 if empty)."""
-    return torch.where(keep_BT, adv_BT.abs(), 0.0).sum(-1) / mask_BT.sum(-1).clamp(min=1)
-
-
-@torch.no_grad()
-def weight_sums(
-    ratio: Tensor, weight: Tensor, abs_adv: Tensor, keep: Tensor, band: tuple[float, float]
-) -> dict[str, float]:
-    """The two float64 sums whose ratio is `policy/extreme_weight_share` (`extreme_weight_share`):
-
-        policy/grad_weight/sum          = Σ_k keep_k · weight_k · |Â_k|
-        policy/extreme_grad_weight/sum  = Σ_k keep_k · weight_k · |Â_k| · [ratio_k < lo ∨ ratio_k > hi]
-
-    k runs over tokens ([B, T], token-ratio objectives) or sequences ([B], sequence-ratio objectives);
-    weight is what multiplies Â ∇logp in the objective's gradient, ratio what is judged extreme, keep the
-    entries whose gradient is not zeroed. Sums, so mini-batches and ranks add them exactly."""
-    mag = torch.where(keep, weight.double() * abs_adv.double(), 0.0)
-    extreme = (ratio < band[0]) | (ratio > band[1])
-    return _floats({
-        "policy/grad_weight/sum": mag.sum(),
-        "policy/extreme_grad_weight/sum": torch.where(extreme, mag, 0.0).sum(),
-    })
+    return torch.where(mask_BT, weight_BT, 0.0), {
+        "rollout_is/mean": stats.mean(rho_N),
+        "rollout_is/max": stats.maximum(rho_N),
+        frac_key: stats.mean(outside_BT[mask_BT]),
+        **out,
+    }
 
 
 def extreme_weight_share(metrics: dict[str, float]) -> dict[str, float]:
@@ -329,55 +267,6 @@ def extreme_weight_share(metrics: dict[str, float]) -> dict[str, float]:
     total = metrics["policy/grad_weight/sum"]
     share = metrics["policy/extreme_grad_weight/sum"] / total if total > 0 else math.nan
     return {"policy/extreme_weight_share": share}
-
-
-def _sign_extremes(ratio_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, level: str) -> dict[str, Tensor]:
-    """`ratio/<level>/{pos,neg}_adv/{max,min}`: extremes of the ratio over valid entries with Â > 0 or
-    Â < 0 (Â = 0 carries no gradient and counts in neither); NaN where there is none."""
-    out = {}
-    for sign, sel_BT in (("pos", mask_BT & (adv_BT > 0)), ("neg", mask_BT & (adv_BT < 0))):
-        x_N = ratio_BT[sel_BT]
-        nan = x_N.new_tensor(float("nan"))
-        out[f"ratio/{level}/{sign}_adv/max"] = x_N.max() if x_N.numel() else nan
-        out[f"ratio/{level}/{sign}_adv/min"] = x_N.min() if x_N.numel() else nan
-    return out
-
-
-@torch.no_grad()
-def ratio_metrics(
-    logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, extreme_band: tuple[float, float]
-) -> dict[str, float]:
-    """Token and sequence importance-ratio statistics and the policy's drift, in float64 (see __init__)."""
-    logp_BT, old_logp_BT, adv_BT = logp_BT.double(), old_logp_BT.double(), adv_BT.double()
-    diff_BT = logp_BT - old_logp_BT
-    ratio_BT = diff_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
-    len_B = mask_BT.sum(-1)
-    ratio_N = ratio_BT[mask_BT]
-    seq_ratio_mean_B = torch.where(mask_BT, ratio_BT, 0.0).sum(-1) / len_B.clamp(min=1)
-    within_var_B = torch.where(mask_BT, ratio_BT - seq_ratio_mean_B[:, None], 0.0).square().sum(-1)
-    within_var_B = within_var_B / len_B.clamp(min=1)
-    s_all_B = seq_log_ratio(logp_BT, old_logp_BT, mask_BT).exp()
-    s_B = s_all_B[len_B > 0]
-    nan = ratio_N.new_tensor(float("nan"))
-    extreme_N = (ratio_N < extreme_band[0]) | (ratio_N > extreme_band[1])
-    return _floats({
-        "ratio/token/mean": ratio_N.mean(),
-        "ratio/token/var": (ratio_N - ratio_N.mean()).square().mean(),
-        "ratio/token/within_seq_var": within_var_B[len_B >= 2].mean(),
-        "ratio/token/max": ratio_N.max() if ratio_N.numel() else nan,
-        "ratio/token/min": ratio_N.min() if ratio_N.numel() else nan,
-        "ratio/token/extreme_frac": extreme_N.double().mean(),
-        "ratio/seq/mean": s_B.mean(),
-        "ratio/seq/var": (s_B - s_B.mean()).square().mean(),
-        "ratio/seq/max": s_B.max() if s_B.numel() else nan,
-        "ratio/seq/min": s_B.min() if s_B.numel() else nan,
-        **_sign_extremes(ratio_BT, adv_BT, mask_BT, "token"),
-        **_sign_extremes(s_all_B[:, None].expand_as(ratio_BT), adv_BT, mask_BT, "seq"),
-        # KL(π_old ‖ π_θ) on samples from π_old, unbiased: (r − 1) − log r with r = π_θ / π_old (as cleanrl
-        # and TRL); k3(new, old) would estimate the other direction, agreeing only to second order.
-        "policy/approx_kl": k3(old_logp_BT, logp_BT)[mask_BT].mean(),
-        "policy/logp_diff/abs_mean": diff_BT.abs()[mask_BT].mean(),
-    })
 
 
 LENGTH_SUMS = ("seqs", "tokens", "r1", "r1_sq", "within", "seqs_2plus", "s1", "s1_sq")

@@ -2,18 +2,20 @@
 the policy's export in Hugging Face format (`export.py`).
 
 Metrics logged every step (to metrics.jsonl and W&B). Under data parallelism (torchrun, W ranks) every
-metric is first reduced over ranks (`reduce_metric` in distributed.py), so one process and W processes
-log the same quantity:
+metric is first reduced over ranks, so one process and W processes log the same quantity:
+- the objective's `clip/*`, `ratio/*`, `policy/*`, `rollout_is/*` and `train/*` keys come as
+  `moe_rl.stats.Stats` (sums and counts, extremes, or mergeable variances, the reduction carried by each
+  value, not by its name): each mini-batch's are pooled over ranks exactly, as if one process had held all
+  its rows (variances included), then finished; the step logs their mean over mini-batches (`*/sum`: the
+  sum, so a quotient of two of them is exact over all ranks and mini-batches);
 - rollout statistics are computed from all ranks' rows;
-- `*/max` and `time/*`: the maximum over ranks; `*/min`: the minimum (both skip a rank's NaN, a rank
-  with no such entry);
-- `throughput/*`, `routing/replay_cache_bytes` and `*/sum`: the sum (`*/sum` also over the step's
-  mini-batches, so a quotient of two of them is exact over all ranks and mini-batches);
-- other means: weighted by each rank's response tokens (`TOKEN_MEANS`: the clip and ratio means),
-  valid positions (`POSITION_MEANS`, and expert change, reduced per mini-batch) or rows (the rest);
-- variances and `routing/load_cv/mean`: the weighted mean of the ranks' values, not the global statistic;
-- except `length/*`: every rank's sums (`objectives.common.length_sums`) are added, so these are the
-  statistics of all ranks' sequences, exactly as one process computes them.
+- of the rest (`reduce_metric` in distributed.py): `*/max` and `time/*`, the maximum over ranks; `*/min`,
+  the minimum (both skip a rank's NaN, a rank with no such entry); `throughput/*` and
+  `routing/replay_cache_bytes`, the sum; other means, weighted by each rank's valid positions
+  (`POSITION_MEANS`, and expert change, reduced per mini-batch) or rows; `routing/load_cv/mean`, the
+  weighted mean of the ranks' values, not the global statistic;
+- `length/*`: every rank's sums (`objectives.common.length_sums`) are added, so these are the statistics
+  of all ranks' sequences, exactly as one process computes them.
 
 NaN/inf: one convention in metrics.jsonl, events.jsonl and summary.json (moe_rl.trainer.logging): a
 non-finite value is written as the string "nan", "inf" or "-inf", so each file is strict JSON; readers
@@ -31,6 +33,9 @@ finite metrics of the last step.
 | `policy/extreme_weight_share` | `policy/extreme_grad_weight/sum` / `policy/grad_weight/sum` of the whole step: the share of the gradient weight Σ\\|w_it·Â_i\\| (grpo; Σ\\|s_i·Â_i\\| over unclipped sequences for gspo, gspo_token, gmpo) that extreme ratios carry; cispo drops no token's gradient, so its share is over every token, weighted by its truncated weight. NaN when no gradient-carrying weight is left. Not scaled by the rollout IS weight or the aggregation's 1/\\|y_i\\| |
 | `ratio/token/{pos,neg}_adv/{max,min}`, `ratio/seq/{pos,neg}_adv/{max,min}` | max and min of r_it (s_i) over valid tokens with Â > 0 (`pos_adv`) or Â < 0 (`neg_adv`), mean over mini-batches; NaN when a step has no token of that sign. The collapse detector reads them over all mini-batches to say which side of a `ratio_blowup` carries gradient |
 | `rollout_is/mean`, `rollout_is/max`, `rollout_is/clipped_frac`, `rollout_is/masked_frac` | with `objective.rollout_is` only: the sampler correction ρ = π_old / π_sampler before truncation (mean, max) and the fraction of tokens truncated (`*_truncate`) or masked (`*_mask`); formulas in moe_rl.objectives |
+| `rollout_is/ess`, `rollout_is/chi2` | with `objective.rollout_is` or `trainer.sampler_dtype`: normalised effective sample size (Σw)²/(B'Σw²) and χ² = mean w² − 1 of the per-sequence weights w_i = π_old(y_i)/π_sampler(y_i), per mini-batch pooled over ranks, mean over mini-batches |
+| `policy/opsm_masked_frac` | with `objective.opsm_delta`: fraction of response tokens off-policy sequence masking drops |
+| `policy/gate_weight/mean` | sapo, sapo_seq: mean gate gradient factor 4σ(1 − σ) (they log no `clip/*`) |
 | `length/<lo>-<hi>/token_var` | ratios by response length within one step and one policy: over the sequences of mini-batches 2..M (every rank) whose response has n_i tokens (EOS included) with lo ≤ n_i ≤ hi, the population variance of their token ratios r_it (moe_rl.objectives notation), 1/N_bin Σ (r_it − mean r)², pooled over those mini-batches. Bins are fixed: `1-4`, `5-8`, `9-16`, `17-32`, ... up to the one holding `sampler.max_new_tokens` (`objectives.common.length_bins`), so keys never change within a run |
 | `length/<lo>-<hi>/within_seq_var` | the same sequences with n_i ≥ 2: mean over them of 1/n_i Σ_t (r_it − mean_t r_it)² |
 | `length/<lo>-<hi>/seq_var` | the same sequences: population variance of GSPO's length-normalised s_i, 1/B_bin Σ (s_i − mean s)² |

@@ -35,7 +35,8 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
-from moe_rl.objectives import OBJECTIVES, group_advantages
+from moe_rl import stats as S
+from moe_rl.objectives import OBJECTIVES, ObjectiveInputs, group_advantages
 from moe_rl.objectives.common import LENGTH_SUMS, length_bins, length_metrics, length_sums
 from moe_rl.rollout import Rollout, response_logprobs, response_logprobs_and_aux, sample
 from moe_rl.routing import (
@@ -272,10 +273,10 @@ def _objective(
     logp_bR: torch.Tensor,
     old_logp_bR: torch.Tensor,
     ref_logp_bR: torch.Tensor | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The configured objective's (loss, metrics) on mini-batch `sl`: the one registry lookup."""
+) -> tuple[torch.Tensor, S.Stats]:
+    """The configured objective's (loss, stats) on mini-batch `sl`: the one registry lookup."""
     o = ctx.cfg.objective
-    return OBJECTIVES[o.name](
+    inputs = ObjectiveInputs(
         logp_bR,
         old_logp_bR,
         batch.adv_B[sl],
@@ -293,7 +294,13 @@ def _objective(
         rollout_is=o.rollout_is,
         rollout_is_cap=o.rollout_is_cap,
         extreme_weight_band=tuple(o.extreme_weight_band),
+        rollout_is_band=tuple(o.rollout_is_band),
+        mismatch_diagnostics=ctx.cfg.trainer.sampler_dtype is not None,
+        tau_pos=o.tau_pos,
+        tau_neg=o.tau_neg,
+        opsm_delta=o.opsm_delta,
     )
+    return OBJECTIVES[o.name].compute(inputs)
 
 
 def _optimizer_step(ctx: StepContext, step: int, loss: torch.Tensor, minibatch: int = 0) -> float:
@@ -327,8 +334,9 @@ def _update(
     old_trace: RoutingTrace,
     loss_scale: float = 1.0,
     minibatch: int = 0,
-) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """One optimizer step on mini-batch `minibatch` (0-based); returns its metrics and its routing change:
+) -> tuple[S.Finished, dict[str, list[float]]]:
+    """One optimizer step on mini-batch `minibatch` (0-based); returns its metrics (floats, which keep
+    their moe_rl.stats for the exact reduction over ranks) and its routing change:
     `layers`, the expert change per layer over valid positions; `response`, over response positions
     (`_response_positions`); `rollout`, the sampler's routing vs this forward's; `drift`, [swapped slots,
     valid slots] when routing.drift > 0. Expert change compares the routing this forward used absent
@@ -366,11 +374,11 @@ def _update(
         change["length"] = length_sums(logp_bR, old_logp_bR, batch.response_mask_BR[sl], bins).flatten().tolist()
     if aux_loss is not None:  # the family's load-balancing loss (model.router_aux_loss_coef > 0)
         loss = loss + aux_coef * aux_loss
-        metrics["train/aux_loss"] = aux_loss.item()
+        metrics["train/aux_loss"] = S.scalar(aux_loss.item())
     loss = loss * loss_scale
-    metrics["train/loss"] = loss.item()
-    metrics["train/grad_norm"] = _optimizer_step(ctx, step, loss, minibatch)
-    return metrics, change
+    metrics["train/loss"] = S.scalar(loss.item())
+    metrics["train/grad_norm"] = S.scalar(_optimizer_step(ctx, step, loss, minibatch))
+    return S.Finished(metrics), change
 
 
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
@@ -434,12 +442,15 @@ def _reduced_metrics(
     rewards_B: torch.Tensor,
     batch: Batch,
     slices: list[slice],
-    per_mb: list[dict[str, float]],
+    per_mb: list[S.Finished],
     changes: list[dict[str, list[float]]],
     local: dict[str, float],
     margins: list[list[float]] | None,
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """The step's metrics over all ranks (one gather; identical on every rank), and each mini-batch's."""
+    """The step's metrics over all ranks (one gather; identical on every rank), and each mini-batch's.
+
+    Each mini-batch's objective stats are pooled over ranks exactly (moe_rl.stats.combine: whatever the
+    key), then finished; the step's value is their mean over mini-batches (`*/sum`: their sum)."""
     mask_BR = roll.response_mask_BR
     rows = [
         rewards_B.double(),
@@ -449,7 +460,7 @@ def _reduced_metrics(
     ranks = ctx.dist.gather(
         {
             "rows": torch.stack(rows, 1).tolist(),
-            "per_mb": per_mb,
+            "per_mb": [m.stats for m in per_mb],
             "changes": changes,
             "mb_counts": [_counts(batch, sl) for sl in slices],
             "local": local,
@@ -460,7 +471,7 @@ def _reduced_metrics(
     metrics = rollout_metrics([row for r in ranks for row in r["rows"]])
     M = len(slices)
     mb_counts = [[r["mb_counts"][j] for r in ranks] for j in range(M)]
-    per_mb = [reduce_metrics([r["per_mb"][j] for r in ranks], mb_counts[j]) for j in range(M)]
+    per_mb = [S.values(S.combine([r["per_mb"][j] for r in ranks])) for j in range(M)]
     metrics.update(over_minibatches(per_mb))
     metrics["train/lr"] = ctx.scheduler.get_last_lr()[0]
     # Each mini-batch's expert change over all ranks: per layer a mean over valid positions, over the

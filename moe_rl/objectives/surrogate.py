@@ -1,0 +1,331 @@
+r"""One surrogate, many ratios: the clip-and-aggregate step every objective shares, written once.
+
+Shape legend: B = sequences, T = padded token positions; `mask_BT` is True at valid response tokens.
+
+An `Objective` names two things and nothing else:
+- its *ratio* (`build_ratio`): the importance ratio it weights the gradient by. Token w_it (GRPO, CISPO,
+  SAPO), sequence s_i (GSPO, Eq. 7), sequence-as-token s_it (GSPO-token, Eq. 14), or the geometric mean of
+  log-clipped token ratios (GMPO);
+- its *surrogate* (`surrogate`): what it makes of the ratio and the advantage. PPO's clipped min (with
+  dual-clip), CISPO's truncated-weight REINFORCE, GMPO's plain −ρÂ, SAPO's soft gate.
+
+Everything else happens in `compute`, once for all of them, in this order:
+
+    ρ      = build_ratio(inputs)                                [B, T] per token, or [B] per sequence
+    ℓ      = surrogate(ρ, Â)                                    same shape as ρ
+    ω_it   = rollout IS weight (common.rollout_is_weight) · off-policy sequence mask (opsm, if set)
+    loss   = agg(ω ℓ)                  for a per-token ℓ_it (agg = loss_agg)
+           = 1/B' Σ_i ℓ_i · mean_t ω_it  for a per-sequence ℓ_i
+    loss  += beta · agg(kl(logp, ref_logp))
+
+So "GRPO and GSPO differ only in the ratio" reads off the registry (moe_rl.objectives.OBJECTIVES): both
+are `ppo_clip`, over `token_ratio` and `seq_ratio`. Metrics are `moe_rl.stats.Stats` (sums and counts
+that reduce exactly); `Objective.__call__` keeps the keyword form, with floats, for callers outside the
+trainer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
+
+import torch
+from torch import Tensor
+
+from moe_rl import stats as S
+from moe_rl.objectives import diagnostics as D
+from moe_rl.objectives.common import (
+    DEFAULT_EXTREME_BAND,
+    DEFAULT_EXTREME_WEIGHT_BAND,
+    DEFAULT_ICEPOP_BAND,
+    LOG_RATIO_BOUND,
+    SEQ_MEAN_TOKEN_MEAN,
+    Aggregate,
+    aggregation,
+    check_corrections,
+    check_options,
+    clipped_surrogate,
+    kl_penalty,
+    rollout_is_weight,
+    seq_log_ratio,
+    seq_mean,
+)
+
+
+@dataclass(frozen=True)
+class ObjectiveInputs:
+    """Everything an objective receives, in one value: the tensors of a mini-batch and the options.
+
+    Tensors: logp [B, T] log π_θ of the sampled tokens (the gradient flows through it); old_logp [B, T]
+    log π_old; advantages [B] per sequence (Â_i) or [B, T] per token (Â_it); mask [B, T] bool, True at
+    valid tokens (padding may hold anything, even NaN); ref_logp, sampler_logp [B, T] or None.
+    Unknown keywords raise TypeError (the dataclass's own __init__).
+    """
+
+    logp: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    mask: Tensor
+    _: KW_ONLY
+    clip_low: float
+    """The clip range's lower side: ratios below 1 − clip_low (gmpo: log-ratios below −clip_low)."""
+    clip_high: float
+    """The clip range's upper side: 1 + clip_high (gmpo: log-space clip_high)."""
+    loss_agg: str | None = None
+    """seq-mean-token-mean, token-mean or seq-mean-token-sum-norm; None = the objective's default."""
+    max_len: int | None = None
+    """The constant of seq-mean-token-sum-norm (read by that mode only)."""
+    beta: float = 0.0
+    """Coefficient of the KL penalty to ref_logp (0 = none)."""
+    ref_logp: Tensor | None = None
+    extreme_band: tuple[float, float] = DEFAULT_EXTREME_BAND
+    """`ratio/token/extreme_frac` counts token ratios outside it."""
+    kl_estimator: str = "k3"
+    """kl of the beta penalty, one of common.KL_ESTIMATORS."""
+    clip_ratio_c: float | None = None
+    """Dual-clip constant c > 1 (ppo_clip only); None = off."""
+    sampler_logp: Tensor | None = None
+    """The sampler's log-probs, for the rollout IS weight."""
+    rollout_is: str = "none"
+    """Rollout IS correction mode, one of common.ROLLOUT_IS_MODES."""
+    rollout_is_cap: float = 2.0
+    """Its C > 1."""
+    extreme_weight_band: tuple[float, float] = DEFAULT_EXTREME_WEIGHT_BAND
+    """`policy/extreme_weight_share` counts the objective's ratios outside it as extreme."""
+    rollout_is_band: tuple[float, float] = DEFAULT_ICEPOP_BAND
+    """[α, β] of rollout_is="icepop": tokens whose π_old / π_sampler leaves it are masked."""
+    mismatch_diagnostics: bool = False
+    """Log `rollout_is/ess` and `rollout_is/chi2` even with rollout_is="none" (a low-precision sampler)."""
+    tau_pos: float = 1.0
+    """SAPO's gate temperature where Â > 0 (TRL sapo_temperature_pos, verl tau_pos)."""
+    tau_neg: float = 1.05
+    """SAPO's gate temperature where Â ≤ 0 (TRL sapo_temperature_neg, verl tau_neg)."""
+    opsm_delta: float | None = None
+    """Off-policy sequence masking's δ (DeepSeek-V3.2): drop Â < 0 tokens of sequences whose mean
+    log(π_sampler / π_θ) exceeds δ; None = off."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """ObjectiveInputs after the shared preamble: float32 at least, zero at padding, Â also as [B, T]."""
+
+    logp_BT: Tensor
+    old_logp_BT: Tensor
+    adv: Tensor
+    """[B] or [B, T], as given."""
+    adv_BT: Tensor
+    """Â broadcast over each sequence's valid tokens (0 at padding)."""
+    mask_BT: Tensor
+    ref_logp_BT: Tensor | None
+    aggregate: Aggregate
+    x: ObjectiveInputs
+    """The raw inputs, for the options."""
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """What a ratio builder returns. `value` is [B, T] (a per-token loss follows) or [B] (per sequence)."""
+
+    value: Tensor
+    judged: Tensor
+    """What `policy/extreme_weight_share` judges extreme: [B, T] for a token-level objective, [B] else."""
+    in_bound_BT: Tensor
+    """[B, T] bool: where the log-ratio clamp at ±LOG_RATIO_BOUND still passes a gradient."""
+    low_BT: Tensor | None = None
+    high_BT: Tensor | None = None
+    """Tokens a clip inside the ratio zeroes (gmpo's log-space clip); None when the ratio has none."""
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """What a surrogate returns: ℓ (the shape of the ratio) and the masks its diagnostics need."""
+
+    loss: Tensor
+    low_BT: Tensor | None
+    high_BT: Tensor | None
+    """[B, T] bool: tokens counted in clip/low_frac and clip/high_frac; None for a surrogate without a
+    hard clip (SAPO), which then logs no clip/* keys rather than zeros."""
+    keep_BT: Tensor
+    """[B, T] bool: valid tokens whose gradient no clip, cap or clamp zeroes."""
+    weight: Tensor
+    """g, the weight on Â ∇logp of each entry ([B, T] or [B], as Ratio.judged)."""
+    stats: S.Stats = field(default_factory=dict)
+    """The surrogate's own diagnostics (dual-clip's `clip/dual_frac`, SAPO's gate weight)."""
+
+
+RatioFn = Callable[[Prepared], Ratio]
+SurrogateFn = Callable[[Ratio, Prepared], Surrogate]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """An objective: a ratio, a surrogate, and which options give them a meaning (config reads these)."""
+
+    name: str
+    build_ratio: RatioFn
+    surrogate: SurrogateFn
+    ratio: str
+    """The ratio whose extremes collapse detection watches: `token` (r_it) or `seq` (s_i)."""
+    loss_aggs: tuple[str, ...]
+    """The loss_agg values it defines (a per-sequence loss has only seq-mean-token-mean)."""
+    default_loss_agg: str = SEQ_MEAN_TOKEN_MEAN
+    dual_clip: bool = False
+    """Whether clip_ratio_c applies (PPO's min is there to cap)."""
+    seq_advantages_only: bool = False
+    """Whether advantages must be [B] (the trainer's are)."""
+    clip_low_may_be_one: bool = False
+    """Whether clip_low = 1 (no lower bound) is allowed."""
+
+    # The keyword form's signature is ObjectiveInputs' (inspect.signature reads this).
+    __signature__ = inspect.signature(ObjectiveInputs)
+
+    def compute(self, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
+        """(loss, stats): the scalar to minimise and its diagnostics as reducible `Stats`."""
+        return compute(self, x)
+
+    def __call__(self, *args, **kwargs) -> tuple[Tensor, dict[str, float]]:
+        """Keyword form: `objective(logp, old_logp, advantages, mask, clip_low=..., ...)`, float metrics."""
+        loss, stats = compute(self, ObjectiveInputs(*args, **kwargs))
+        return loss, S.values(stats)
+
+
+def check(obj: Objective, x: ObjectiveInputs, loss_agg: str) -> None:
+    """Raise ValueError on options the objective cannot give a meaning to."""
+    check_options(x.clip_low, x.clip_high, x.beta, x.ref_logp, x.extreme_band, x.extreme_weight_band,
+                  allow_no_lower_clip=obj.clip_low_may_be_one)
+    check_corrections(x.mask, x.kl_estimator, x.clip_ratio_c, x.sampler_logp, x.rollout_is, x.rollout_is_cap,
+                      x.rollout_is_band)
+    if not (x.tau_pos > 0 and x.tau_neg > 0):
+        raise ValueError(f"SAPO's temperatures must be > 0, got tau_pos={x.tau_pos}, tau_neg={x.tau_neg}")
+    if x.opsm_delta is not None and not x.opsm_delta >= 0:
+        raise ValueError(f"opsm_delta must be >= 0 or None, got {x.opsm_delta}")
+    if loss_agg not in obj.loss_aggs:
+        raise ValueError(f"{obj.name} is defined with loss_agg in {obj.loss_aggs} only, got {loss_agg!r}")
+    if x.clip_ratio_c is not None and not obj.dual_clip:
+        raise ValueError(f"{obj.name} has no min for dual-clip to cap: clip_ratio_c must be None, "
+                         f"got {x.clip_ratio_c}")
+    if obj.seq_advantages_only and x.advantages.dim() != 1:
+        raise ValueError(f"{obj.name} needs per-sequence advantages [B], got {list(x.advantages.shape)}")
+
+
+def prepare(x: ObjectiveInputs, aggregate: Aggregate) -> Prepared:
+    """Check shapes, cast to float32 at least (float64 stays float64) and zero every padded entry.
+
+    Zeroing with `torch.where` keeps NaN/inf padding out of both the values and the gradients.
+    """
+    mask = x.mask
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {mask.dtype}; pass mask.bool()")
+    if mask.dim() != 2 or x.logp.shape != mask.shape or x.old_logp.shape != mask.shape:
+        raise ValueError(f"logp {tuple(x.logp.shape)}, old_logp {tuple(x.old_logp.shape)} and mask "
+                         f"{tuple(mask.shape)} must share one [B, T] shape")
+    if x.advantages.shape not in (mask.shape[:1], mask.shape):
+        raise ValueError(f"advantages must be [B] or [B, T] with [B, T] = {list(mask.shape)}, "
+                         f"got {list(x.advantages.shape)}")
+    if x.ref_logp is not None and x.ref_logp.shape != mask.shape:
+        raise ValueError(f"ref_logp must be [B, T] = {list(mask.shape)}, got {list(x.ref_logp.shape)}")
+    dtype = torch.promote_types(x.logp.dtype, torch.float32)
+
+    def clean(t: Tensor) -> Tensor:
+        return torch.where(mask, t.to(dtype), 0.0)
+
+    adv = x.advantages.to(dtype) if x.advantages.dim() == 1 else clean(x.advantages)
+    adv_BT = adv if adv.dim() == 2 else torch.where(mask, adv[:, None], 0.0)
+    ref = None if x.ref_logp is None else clean(x.ref_logp)
+    return Prepared(clean(x.logp), clean(x.old_logp), adv, adv_BT, mask, ref, aggregate, x)
+
+
+def compute(obj: Objective, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
+    """The one surrogate (see the module docstring): ratio, surrogate, correction, aggregation, KL, stats."""
+    loss_agg = x.loss_agg or obj.default_loss_agg
+    check(obj, x, loss_agg)
+    p = prepare(x, aggregation(loss_agg, x.max_len))
+    mask_BT = p.mask_BT
+    ratio = obj.build_ratio(p)
+    sur = obj.surrogate(ratio, p)
+    omega_BT, is_stats = rollout_is_weight(p.old_logp_BT, x.sampler_logp, mask_BT, x.rollout_is, x.rollout_is_cap,
+                                           x.rollout_is_band, x.mismatch_diagnostics)
+    if x.opsm_delta is not None:  # DeepSeek-V3.2's off-policy sequence mask multiplies ω (as TRL)
+        keep_BT, is_stats["policy/opsm_masked_frac"] = opsm_keep(p, x.opsm_delta)
+        omega_BT = omega_BT * keep_BT
+    if sur.loss.dim() == 1:  # one term per sequence: a token-level weight enters as its mean (as TRL)
+        omega_B = omega_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)  # exactly 1 when rollout_is="none"
+        loss = seq_mean(sur.loss * omega_B, mask_BT)
+    else:
+        loss = p.aggregate(torch.where(mask_BT, sur.loss * omega_BT, 0.0), mask_BT)
+    kl, kl_stats = kl_penalty(p.logp_BT, p.ref_logp_BT, mask_BT, x.beta, p.aggregate, x.kl_estimator,
+                              p.old_logp_BT)
+    loss = loss + kl
+
+    if obj.ratio == "token":  # g and the judged ratio per token
+        weights = D.weight_stats(ratio.judged, sur.weight, p.adv_BT.abs(), sur.keep_BT, x.extreme_weight_band)
+    else:  # per sequence, |Â_i| over the sequence's gradient-carrying tokens
+        weights = D.weight_stats(ratio.judged, sur.weight, D.seq_kept_adv(p.adv_BT, sur.keep_BT, mask_BT),
+                                 mask_BT.any(-1), x.extreme_weight_band)
+    clip = {} if sur.low_BT is None else D.clip_stats(sur.low_BT, sur.high_BT, mask_BT)
+    stats = {
+        **clip,
+        **weights,
+        **sur.stats,
+        **D.ratio_stats(p.logp_BT, p.old_logp_BT, p.adv_BT, mask_BT, x.extreme_band),
+        **kl_stats,
+        **is_stats,
+    }
+    return loss, stats
+
+
+@torch.no_grad()
+def opsm_keep(p: Prepared, delta: float) -> tuple[Tensor, S.Stat]:
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, §3.1), as TRL's get_off_policy_mask.
+
+        keep_it = [Â_it ≥ 0] ∨ [1/|y_i| Σ_t (log π_sampler(y_it) − log π_θ(y_it)) ≤ δ]
+
+    π_sampler is the sampler's (sampler_logp; π_old when there is none, as TRL without vLLM); π_θ is
+    detached. Returns the [B, T] float mask (1 = keep) and `policy/opsm_masked_frac`, the fraction of valid
+    tokens dropped (for per-sequence advantages, the token share of the dropped sequences)."""
+    x, mask_BT = p.x, p.mask_BT
+    mu_BT = p.old_logp_BT if x.sampler_logp is None else torch.where(mask_BT, x.sampler_logp.to(p.logp_BT), 0.0)
+    kl_B = torch.where(mask_BT, mu_BT - p.logp_BT.detach(), 0.0).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+    keep_BT = (p.adv_BT >= 0) | (kl_B <= delta)[:, None]
+    return keep_BT.to(p.logp_BT.dtype), S.mean(~keep_BT[mask_BT])
+
+
+def broadcast(x: Tensor, like_BT: Tensor) -> Tensor:
+    """A [B] per-sequence value at each of its tokens ([B, T] as given)."""
+    return x[:, None].expand_as(like_BT) if x.dim() == 1 else x
+
+
+# --- the ratios and the surrogate most objectives share ------------------------------------------------
+
+
+def token_ratio(p: Prepared) -> Ratio:
+    """w_it = exp(clamp(logp_it − old_logp_it, ±LOG_RATIO_BOUND)), [B, T] (GSPO paper Eq. 3)."""
+    d_BT = p.logp_BT - p.old_logp_BT
+    w_BT = torch.exp(d_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    return Ratio(w_BT, w_BT, d_BT.abs() <= LOG_RATIO_BOUND)
+
+
+def seq_ratio(p: Prepared) -> Ratio:
+    """s_i = exp(clamp(1/|y_i| Σ_t (logp_it − old_logp_it), ±LOG_RATIO_BOUND)), [B] (GSPO Eq. 7)."""
+    s_B = torch.exp(seq_log_ratio(p.logp_BT, p.old_logp_BT, p.mask_BT))
+    with torch.no_grad():
+        mean_d_B = (p.logp_BT - p.old_logp_BT).sum(-1) / p.mask_BT.sum(-1).clamp(min=1)
+        in_bound_BT = broadcast(mean_d_B, p.logp_BT).abs() <= LOG_RATIO_BOUND
+    return Ratio(s_B, s_B, in_bound_BT)
+
+
+def ppo_clip(ratio: Ratio, p: Prepared) -> Surrogate:
+    """ℓ = −min(ρÂ, clip(ρ, 1 − clip_low, 1 + clip_high)Â), capped at −cÂ where Â < 0 under dual-clip.
+
+    PPO's pessimistic bound (GSPO paper Eq. 2 and 5; dual-clip: Ye et al. 2020, arXiv 1912.09729, Eq. 6).
+    A token whose clip or cap is active gets zero gradient; under a per-sequence ρ every token of the
+    sequence counts as clipped (the GSPO paper's Fig. 2). g = ρ."""
+    x = p.x
+    rho, adv = ratio.value, (p.adv if ratio.value.dim() == 1 else p.adv_BT)
+    loss = clipped_surrogate(rho, adv, x.clip_low, x.clip_high, x.clip_ratio_c)
+    rho_BT = broadcast(rho, p.logp_BT)
+    low_BT, high_BT = D.ppo_clipped(rho_BT, p.adv_BT, p.mask_BT, x.clip_low, x.clip_high)
+    keep_BT = D.ppo_keep(rho_BT, p.adv_BT, p.mask_BT, x.clip_low, x.clip_high, x.clip_ratio_c, ratio.in_bound_BT)
+    dual = D.dual_clip_stats(rho_BT, p.adv_BT, p.mask_BT, x.clip_ratio_c)
+    return Surrogate(loss, low_BT, high_BT, keep_BT, ratio.judged, dual)
