@@ -359,7 +359,7 @@ def test_heldout_eval_is_logged_and_never_changes_training(tmp_path, warm_overri
     from moe_rl.trainer.evaluate import evaluate
 
     cfg = compose_config([*TINY, *warm_overrides, "objective=grpo", "trainer.steps=3", "logger.wandb=false",
-                          "eval.every=2", "eval.size=16"])
+                          "eval.every=2", "eval.size=16", "eval.at_start=true"])
     train(cfg, tmp_path / "on")
     train(replace(cfg, eval=replace(cfg.eval, size=0, expected_size=0)), tmp_path / "off")
     on, off = _read_metrics(tmp_path / "on"), _read_metrics(tmp_path / "off")
@@ -395,7 +395,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, warm_overrides):
     """A run stopped after 2 steps and resumed to 4 logs the same metrics as a 4-step run never interrupted,
     and the pre-update evaluation once (in step 0's row, from the first session)."""
     cfg = compose_config([*TINY, *warm_overrides, "objective=grpo_rr", "trainer.checkpoint_every=1",
-                          "logger.wandb=false"])
+                          "logger.wandb=false", "eval.at_start=true"])
     full = replace(cfg, trainer=replace(cfg.trainer, steps=4))
     train(full, tmp_path / "full")
     train(cfg, tmp_path / "cut")  # steps=2, then "killed"
