@@ -90,21 +90,30 @@ INVALID = [
 ]
 
 
-def test_invalid_config_fails_fast_with_field_name(tmp_path):
+def test_invalid_config_fails_fast_with_field_name(tmp_path, monkeypatch, capsys):
     """Each bad value exits with code 2 and one error line naming its field, before any run files are
-    written (the cases run as parallel processes: each is mostly the import of torch and transformers)."""
-    procs = []
+    written: through moe-rl-train's own entry point (Hydra's main) in this process, and for the first case
+    also as the console command in a subprocess."""
+    import warnings
+
+    from moe_rl.train import main
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main sets its one-line format
     for i, (override, field) in enumerate(INVALID):
         run = tmp_path / f"run{i}"
-        cmd = [sys.executable, "-m", "moe_rl.train", *override.split(), f"hydra.run.dir={run}"]
-        procs.append((override, field, run, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                                             text=True)))
-    for override, field, run, proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 2, (override, err)
+        monkeypatch.setattr(sys, "argv", ["moe-rl-train", *override.split(), f"hydra.run.dir={run}"])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2, (override, err)
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and field in lines[0], (override, err)
         assert not (run / "metrics.jsonl").exists(), override
+    override, field = INVALID[0]
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.train", override, f"hydra.run.dir={tmp_path / 'cli'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and field in proc.stderr, proc.stderr
+    assert not (tmp_path / "cli" / "metrics.jsonl").exists()
 
 
 def test_type_error_names_field(tmp_path):
