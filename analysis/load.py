@@ -178,7 +178,8 @@ def load_local(sweep_dirs: Iterable[Path], progress: bool = True) -> list[Run]:
         try:
             runs.append(read_local_run(d))
         except (BrokenRunError, CorruptLogError, ValueError) as err:
-            warnings.warn(f"skipping {d}: {err}", RuntimeWarning, stacklevel=2)
+            where = "" if isinstance(err, BrokenRunError) else f"{d}: "  # a BrokenRunError names its folder
+            warnings.warn(f"skipping {where}{err}", RuntimeWarning, stacklevel=2)
     return drop_duplicate_seeds([r for r in runs if r.rows])
 
 

@@ -317,6 +317,24 @@ def test_unloadable_pretrained_folder_is_one_line(tmp_path, fault_report):
     assert not (tmp_path / "MARKER").exists()
 
 
+@pytest.mark.parametrize("override, says", [
+    ("sampler.temperature=0", "sampler.temperature=0 samples greedily"),
+    ("+trainer.stepz=3", "trainer.stepz: no such field"),
+])
+def test_silently_useless_config_is_refused_at_start_up(tmp_path, monkeypatch, capsys, fault_report, override, says):
+    """A config that would run and learn nothing (greedy sampling) or carry an ignored key (Hydra's '+' typo hint) exits 2 in one line, before any run file."""
+    from moe_rl.train import main
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    monkeypatch.setattr(sys, "argv", ["moe-rl-train", override, f"hydra.run.dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1 and says in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    fault_report(f"`{override}`", lines[0], "exit status 2; nothing written but Hydra's .hydra/ record")
+
+
 def _tool_run(folder: Path, seed: int, rewards: list[float]) -> None:
     """A finished run folder as moe-rl-train leaves it, as far as the tools read it (summary, metrics)."""
     folder.mkdir(parents=True)

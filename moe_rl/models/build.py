@@ -79,7 +79,7 @@ def unloadable(pretrained: str, what: str) -> Iterator[None]:
     try:
         yield
     except Exception as err:  # noqa: BLE001 - transformers, safetensors and torch each raise their own types
-        first = (str(err).strip().splitlines() or [""])[0][:300]
+        first = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:200]  # its first sentence
         raise RunError(f"model.pretrained={pretrained}: could not load the {what} ({type(err).__name__}: {first})") from err
 
 
