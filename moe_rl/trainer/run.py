@@ -82,8 +82,10 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _policy(cfg: Config, task: Task, progress: bool):
-    """The initial policy: warm-started (cached) when enabled, else freshly built or loaded."""
+def _policy(cfg: Config, progress: bool, task: Task | None = None):
+    """The initial policy for `task` (default `cfg.load_task()`): warm-started (cached) when enabled,
+    else freshly built or loaded."""
+    task = task if task is not None else cfg.load_task()
     if not cfg.warmstart.enabled:
         tokenizer = load_tokenizer(cfg.model.pretrained) if cfg.model.pretrained else policy_tokenizer(cfg.model, task)
         return build_model(cfg.model, tokenizer), tokenizer, None
@@ -107,7 +109,7 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     dist = dist or Dist()
     torch.manual_seed(cfg.seed)
     task = cfg.load_task()
-    model, tokenizer, ws = _policy(cfg, task, progress=cfg.logger.progress and dist.main)
+    model, tokenizer, ws = _policy(cfg, cfg.logger.progress and dist.main, task)
     if cfg.task.chat_template and not tokenizer.chat_template:
         raise ValueError(
             f"task.chat_template=true, but the tokenizer of {cfg.model.pretrained or 'the built model'} has no "
