@@ -182,10 +182,17 @@ def test_bad_data_is_refused_naming_the_field(tmp_path, rows, fields, message):
         DatasetTask(dataset_cfg(path, **fields))
 
 
-def test_missing_paths_and_splits(tmp_path):
-    """A missing local path and an unknown split of a saved DatasetDict are refused naming the field."""
+def test_unreadable_files_missing_paths_and_splits(tmp_path):
+    """A missing path, an unknown suffix, malformed JSON (its parser's own words), a JSON array with no rows
+    and an unknown split of a saved DatasetDict are each one ValueError naming the field."""
     with pytest.raises(ValueError, match=r"task\.path=.*nope\.jsonl: no such file"):
         DatasetTask(dataset_cfg(tmp_path / "nope.jsonl"))
+    files = {"rows.txt": ("q a", r"unknown file type '\.txt'"), "bad.jsonl": ("{not json\n", r"ArrowInvalid: JSON parse"),
+             "empty.json": ("[]", r"the dataset has no rows")}
+    for name, (text, message) in files.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=r"task\.path=.*" + message):
+            DatasetTask(dataset_cfg(tmp_path / name))
     with pytest.raises(ValueError, match=r"task\.split='validation': .* holds the splits \['test', 'train'\]"):
         DatasetTask(dataset_cfg(write_rows(tmp_path, "save_to_disk_dict"), split="validation"))
 

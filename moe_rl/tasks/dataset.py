@@ -64,8 +64,9 @@ def load_rows(cfg: TaskConfig) -> tuple[list[dict[str, Any]], list[str]]:
         raise ValueError(f"{where}: unknown file type {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}")
     if path.is_file() and path.stat().st_size == 0:
         raise ValueError(f"{where}: the file is empty (the dataset has no rows)")
-    was_verbose = datasets.utils.logging.is_progress_bar_enabled()
+    was_verbose, level = datasets.utils.logging.is_progress_bar_enabled(), datasets.utils.logging.get_verbosity()
     datasets.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)  # errors come back as one line
     try:
         if path.is_file():
             data = datasets.load_dataset(
@@ -79,18 +80,28 @@ def load_rows(cfg: TaskConfig) -> tuple[list[dict[str, Any]], list[str]]:
                 data = data[cfg.split]
         else:  # a folder of data files, or a hub id
             data = datasets.load_dataset(str(path) if path.is_dir() else cfg.path, cfg.subset, split=cfg.split)
-    except ValueError as err:
+    except Exception as err:  # datasets raises many types (file, parse, hub errors): one line either way
         if str(err).startswith("task."):
             raise
-        raise ValueError(f"{where}: cannot load split {cfg.split!r}: {one_line(err)}") from err
-    except Exception as err:  # datasets raises many types (file, parse, hub errors): one line either way
-        raise ValueError(f"{where}: cannot load ({type(err).__name__}: {one_line(err)})") from err
+        if "corresponds to no data" in str(err):  # datasets' words for a split with no rows ("[]")
+            raise ValueError(f"{where}: the dataset has no rows (split {cfg.split!r})") from err
+        cause = _root_cause(err)
+        raise ValueError(f"{where}: cannot load split {cfg.split!r} ({type(cause).__name__}: {one_line(cause)})") from err
     finally:
+        datasets.utils.logging.set_verbosity(level)
         if was_verbose:
             datasets.utils.logging.enable_progress_bar()
     if len(data) == 0:
         raise ValueError(f"{where}: the dataset has no rows (split {cfg.split!r})")
     return data.to_list(), list(data.column_names)
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost explicit cause (`raise ... from`) of an error: datasets wraps a JSON parse error in
+    DatasetGenerationError. Implicit contexts are not followed: there, they are its fallbacks' errors."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
 
 
 def _texts(
