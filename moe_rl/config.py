@@ -240,7 +240,8 @@ class Config:
     """Continue from the run folder's last checkpoint (checkpoint.pt, or checkpoint.prev.pt when the
     latest is corrupt). A finished run is left as it is; a folder without a checkpoint starts fresh; a
     config that differs from the checkpoint's outside trainer.steps, trainer.checkpoint_every,
-    trainer.threads, trainer.dist_timeout_s, warmstart.cache_dir and logger.* is refused."""
+    trainer.threads, trainer.dist_timeout_s, warmstart.cache_dir, model.tokenizer_cache_dir and logger.* is
+    refused."""
     resume_force: bool = False
     """With resume=true: continue even when the config differs from the checkpoint's (a warning lists
     the changed fields)."""
