@@ -18,7 +18,7 @@ from moe_rl.objectives import OBJECTIVES, SPECS
 from moe_rl.objectives.common import AGGREGATIONS, KL_ESTIMATORS, ROLLOUT_IS_MODES
 from moe_rl.rollout.sampler import SamplerConfig
 from moe_rl.tasks import DATASET, DatasetTask, Task, TaskConfig, build_task, make_task
-from moe_rl.tasks.dataset import WARMSTART_PROBE_ROWS
+from moe_rl.tasks.dataset_checks import check_dataset_run
 from moe_rl.trainer.evaluate import EvalConfig
 from moe_rl.warmstart import WarmStartConfig
 
@@ -404,28 +404,7 @@ class Config:
         task = build_task(self.task)
         if not isinstance(task, DatasetTask):
             return task
-        held = len(task.heldout_rows)
-        needs = {
-            "eval.size / eval.expected_size": self.eval.prompts_needed,
-            "warmstart.eval_size": self.warmstart.eval_size if self.warmstart.enabled else 0,
-        }
-        for name, n in needs.items():
-            if n > held:
-                raise ValueError(
-                    f"{name}: {n} held-out rows are needed, but task.heldout={self.task.heldout} holds out {held} "
-                    f"of {self.task.path}'s {len(task.rows)} rows: lower {name.split(' ')[0]} or raise task.heldout"
-                )
-        if self.warmstart.enabled:  # its demonstrations are the answers: each must score 1 as a response
-            rows = task.train_rows[:WARMSTART_PROBE_ROWS]
-            scores, _ = task.rewards([task.row_example(r) for r in rows], [task.answers[r] for r in rows])
-            bad = [(r, v) for r, v in zip(rows, scores, strict=True) if v != 1.0]
-            if bad:
-                row, value = bad[0]
-                raise ValueError(
-                    f"warmstart.enabled=true trains on task.answer_field as the response, but it scores {value} "
-                    f"as a response on row {row} ({task.answers[row][:60]!r}): the answers are not full responses "
-                    "the reward accepts; set warmstart.enabled=false"
-                )
+        check_dataset_run(task, self)
         return task
 
     def _validate_noise(self) -> None:

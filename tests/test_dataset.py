@@ -216,8 +216,9 @@ def test_config_checks_that_need_no_file():
 
 
 def test_load_task_checks_held_out_size_and_warm_start():
-    """load_task refuses eval or warm-start sets larger than the held-out rows, and a warm start whose
-    demonstrations (the answers) the reward does not accept; the example's answers are full responses."""
+    """load_task refuses eval or warm-start sets larger than the held-out rows and a warm start whose
+    demonstrations (the answers) the reward does not accept, and warns when answers outgrow the sampler;
+    the example's answers are full responses."""
     base = ["task=dataset", f"task.path={EXAMPLE}"]
     with pytest.raises(ValueError, match=r"eval\.size / eval\.expected_size: 512 held-out rows"):
         compose_config(base).load_task()
@@ -227,6 +228,8 @@ def test_load_task_checks_held_out_size_and_warm_start():
     with pytest.raises(ValueError, match=r"warmstart\.enabled=true .* scores 0\.5 .* set warmstart\.enabled=false"):
         compose_config([*small, "task.reward_fn=dataset_rewards:half"]).load_task()
     compose_config([*small, "task.reward_fn=dataset_rewards:half", "warmstart.enabled=false"]).load_task()
+    with pytest.warns(RuntimeWarning, match=r"of 900 training answers are longer than sampler\.max_new_tokens=12"):
+        compose_config([*small, "sampler.max_new_tokens=12"]).load_task()  # char tokens: answers are 11-31
 
 
 def test_char_tokenizer_covers_the_data_and_synthetic_tokenizer_is_unchanged(tmp_path):
