@@ -184,8 +184,8 @@ def test_bad_data_is_refused_naming_the_field(tmp_path, rows, fields, message):
 
 
 def test_unreadable_files_missing_paths_and_splits(tmp_path):
-    """A missing path, an unknown suffix, malformed JSON (its parser's own words), a JSON array with no rows
-    and an unknown split of a saved DatasetDict are each one ValueError naming the field."""
+    """A missing path, an unknown suffix, malformed JSON (its parser's own words), a JSON array with no rows,
+    a hub subset for a file and an unknown split of a saved DatasetDict are each a ValueError naming the field."""
     with pytest.raises(ValueError, match=r"task\.path=.*nope\.jsonl: no such file"):
         DatasetTask(dataset_cfg(tmp_path / "nope.jsonl"))
     files = {"rows.txt": ("q a", r"unknown file type '\.txt'"), "bad.jsonl": ("{not json\n", r"ArrowInvalid: JSON parse"),
@@ -194,6 +194,8 @@ def test_unreadable_files_missing_paths_and_splits(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=r"task\.path=.*" + message):
             DatasetTask(dataset_cfg(tmp_path / name))
+    with pytest.raises(ValueError, match=r"task\.subset=main: .* is local"):
+        DatasetTask(dataset_cfg(tmp_path / "bad.jsonl", subset="main"))
     with pytest.raises(ValueError, match=r"task\.split='validation': .* holds the splits \['test', 'train'\]"):
         DatasetTask(dataset_cfg(write_rows(tmp_path, "save_to_disk_dict"), split="validation"))
 

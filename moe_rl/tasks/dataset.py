@@ -64,6 +64,9 @@ def load_rows(cfg: TaskConfig) -> tuple[list[dict[str, Any]], list[str]]:
         raise ValueError(f"{where}: unknown file type {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}")
     if path.is_file() and path.stat().st_size == 0:
         raise ValueError(f"{where}: the file is empty (the dataset has no rows)")
+    saved = path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists())
+    if cfg.subset is not None and (path.is_file() or saved):
+        raise ValueError(f"task.subset={cfg.subset}: a hub dataset's configuration name, but {cfg.path} is local")
     was_verbose, level = datasets.utils.logging.is_progress_bar_enabled(), datasets.utils.logging.get_verbosity()
     datasets.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)  # errors come back as one line
@@ -72,7 +75,7 @@ def load_rows(cfg: TaskConfig) -> tuple[list[dict[str, Any]], list[str]]:
             data = datasets.load_dataset(
                 FILE_BUILDERS[path.suffix.lower()], data_files={cfg.split: str(path)}, split=cfg.split
             )
-        elif path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        elif saved:
             data = datasets.load_from_disk(str(path))
             if isinstance(data, datasets.DatasetDict):
                 if cfg.split not in data:
