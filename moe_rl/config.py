@@ -384,8 +384,14 @@ class Config:
             raise ValueError(f"seed={self.seed}: must be >= 0")
 
     def _validate_dataset_options(self) -> None:
-        """The options that depend on whether the task is a dataset (model.tokenizer, pretraining)."""
+        """The options that depend on the task or the model's origin (model.tokenizer, pretraining). Not in
+        ModelConfig.validate: a warm-started model is loaded as pretrained with the run's tokenizer fields."""
         dataset = self.task.name == DATASET
+        if self.model.pretrained and self.model.tokenizer != "char":
+            raise ValueError(
+                f"model.tokenizer={self.model.tokenizer}: model.pretrained={self.model.pretrained} brings its "
+                "own tokenizer; model.tokenizer is for models built from config (leave it char)"
+            )
         if self.model.tokenizer == "bpe" and not dataset:
             raise ValueError(
                 "model.tokenizer=bpe trains on a dataset's text, so it needs task=dataset (the synthetic "

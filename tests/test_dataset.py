@@ -210,7 +210,7 @@ def test_config_checks_that_need_no_file():
         "task=dataset task.mix=[1,2]": "task.mix",
         "task=dataset warmstart.pretrain_steps=5": "warmstart.pretrain_steps",
         "task=dataset task.template='{0}'": "task.template",
-        "model.pretrained=/tmp model.tokenizer=bpe": "model.tokenizer",
+        "model.pretrained=org/model task=dataset model.tokenizer=bpe": "model.tokenizer=bpe: model.pretrained",
         "task=dataset model.tokenizer=bpe model.bpe_vocab_size=100": "model.bpe_vocab_size",
     }
     for overrides, field in cases.items():
@@ -331,14 +331,16 @@ def test_bad_input_exits_2_in_one_line_writing_nothing(tmp_path):
 
 
 def test_own_data_two_steps(tmp_path, monkeypatch):
-    """+experiment=own_data trains 2 steps from its BPE on the example's held-out split; a reward function
-    that raises on every sampled row scores them 0 and counts them in rollout/reward_errors, and the run
-    goes on to write its summary and policy."""
+    """+experiment=own_data warm-starts (a band from 0, so it stops at its first check) with its BPE, saves,
+    loads it back and trains 2 steps evaluated on the held-out rows; a reward function that raises on every
+    sampled row scores them 0 and counts them in rollout/reward_errors, and the run goes on to write its
+    summary and policy."""
     from moe_rl.trainer.run import train
 
     monkeypatch.chdir(REPO)  # the experiment's task.path is relative to the repository root
     cfg = compose_config([
-        "+experiment=own_data", "warmstart.enabled=false", "trainer.steps=2", "trainer.prompts_per_step=2",
+        "+experiment=own_data", "warmstart.target_low=0", "warmstart.eval_size=4", f"warmstart.cache_dir={tmp_path}",
+        "trainer.steps=2", "trainer.prompts_per_step=2",
         "trainer.group_size=4", "trainer.mini_batches=2", "model.num_layers=1", "sampler.max_new_tokens=8",
         "eval.size=4", "eval.expected_size=4", "eval.at_start=false", "logger.wandb=false", "logger.progress=false",
         f"model.tokenizer_cache_dir={tmp_path / 'tok'}", "task.reward_fn=dataset_rewards:fussy",
@@ -351,5 +353,7 @@ def test_own_data_two_steps(tmp_path, monkeypatch):
     assert all(r["rollout/reward_errors"] == 8.0 and r["rollout/reward/mean"] == 0.0 for r in rows)
     assert any("failed on dataset row" in str(w.message) for w in caught)
     assert math.isfinite(rows[-1]["train/loss"]) and "eval/accuracy" in rows[-1]
-    assert (tmp_path / "run" / "policy" / "tokenizer.json").is_file()
+    assert (tmp_path / "run" / "policy" / "tokenizer.json").is_file() and summary["warmstart_accuracy"] == 0.0
+    warm = json.loads(next(tmp_path.glob("dataset-*/warmstart.json")).read_text())
+    assert warm["steps"] == 0 and warm["data"]["verifier"] == "last_number" and len(warm["data"]["rows"]) == 64
     assert build_task(cfg.task).reward_can_fail

@@ -24,7 +24,7 @@ class ModelConfig:
     """Tokenizer of a model built from config (moe_rl.models.tokenizer): char, one token per character
     (the synthetic tasks' alphabet, or every character of task=dataset's rows), or bpe, a byte-level BPE
     trained at start-up on task=dataset's training text and cached by its content hash. With
-    model.pretrained the checkpoint's own tokenizer is used, and this must stay char."""
+    model.pretrained the checkpoint's own tokenizer is used, and this must stay char (moe_rl.config)."""
     bpe_vocab_size: int = 512
     """model.tokenizer=bpe: the vocabulary size the BPE is trained to (at least 260: the 256 bytes and
     four special tokens; smaller text may stop short of it)."""
@@ -85,12 +85,7 @@ class ModelConfig:
             raise ValueError(f"model.attn_impl={self.attn_impl!r}: expected 'sdpa' or 'eager'")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"model.tokenizer={self.tokenizer!r}: expected one of {TOKENIZERS}")
-        if self.pretrained:
-            if self.tokenizer != "char":
-                raise ValueError(
-                    f"model.tokenizer={self.tokenizer}: model.pretrained={self.pretrained} brings its own "
-                    "tokenizer; model.tokenizer is for models built from config (leave it char)"
-                )
+        if self.pretrained:  # its own tokenizer (a warm start's is the one it was built with)
             return
         if self.tokenizer == "bpe" and self.bpe_vocab_size < BPE_MIN_VOCAB:
             raise ValueError(f"model.bpe_vocab_size={self.bpe_vocab_size}: must be >= {BPE_MIN_VOCAB}")
