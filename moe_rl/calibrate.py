@@ -165,7 +165,7 @@ def calibrate(
         rl_step(ctx, step)
         bar.update()
     for step in range(rl_steps, rl_steps + batches):
-        roll, rewards_B = _rollout(ctx, step)
+        roll, rewards_B, _ = _rollout(ctx, step)
         adv_B = group_advantages(rewards_B, ctx.cfg.trainer.group_size, normalize_std=ctx.cfg.objective.normalize_std)
         n = len(rewards_B)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(step))

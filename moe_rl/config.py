@@ -19,7 +19,8 @@ from moe_rl.models.config import DTYPES, ModelConfig
 from moe_rl.objectives import OBJECTIVES, SPECS
 from moe_rl.objectives.common import AGGREGATIONS, KL_ESTIMATOR_NAMES, ROLLOUT_IS_MODES
 from moe_rl.rollout.sampler import SamplerConfig
-from moe_rl.tasks import TASKS, make_task
+from moe_rl.tasks import DATASET, DatasetTask, Task, TaskConfig, build_task, make_task
+from moe_rl.tasks.dataset_checks import check_dataset_run
 from moe_rl.trainer.evaluate import EvalConfig
 from moe_rl.warmstart import WarmStartConfig
 
@@ -31,26 +32,6 @@ NOISE_GROWTH = ("sqrt", "constant")
 NOISE_SCOPES = ("update", "trainer")
 PARALLEL = ("ddp", "fsdp")
 WANDB_MODES = ("offline", "online", "disabled")
-
-
-@dataclass
-class TaskConfig:
-    """Which verifiable task to train on."""
-
-    name: str = "arithmetic"
-    """One of moe_rl.tasks.TASKS: arithmetic, sort, countdown."""
-    difficulty: int = 1
-    """The task's knob: operand digits (arithmetic), items (sort), numbers (countdown). The preset
-    task=sort_long is sort at 16 items: 31-character answers, 32 response tokens with EOS."""
-    mix: list[int] = field(default_factory=list)
-    """Mixed difficulties: when non-empty, each example's difficulty is drawn uniformly from this list,
-    from the example's own random stream (moe_rl.tasks.mixed), so one policy trains and is evaluated on
-    several answer lengths; e.g. [2, 4, 8, 16] with task=sort gives responses of 4 to 32 tokens with EOS.
-    task.difficulty then draws nothing (it must still be valid); every entry must be in the task's
-    difficulty range, and sampler.max_new_tokens must fit the longest. Empty (default): task.difficulty."""
-    chat_template: bool = False
-    """Wrap each prompt as one user turn in the tokenizer's chat template (pretrained chat models); the
-    run stops with an error if the tokenizer has none. Needs warmstart.enabled=false."""
 
 
 @dataclass
@@ -274,7 +255,8 @@ class Config:
     """Continue from the run folder's last checkpoint (checkpoint.pt, or checkpoint.prev.pt when the
     latest is corrupt). A finished run is left as it is; a folder without a checkpoint starts fresh; a
     config that differs from the checkpoint's outside trainer.steps, trainer.checkpoint_every,
-    trainer.threads, trainer.dist_timeout_s, warmstart.cache_dir and logger.* is refused."""
+    trainer.threads, trainer.dist_timeout_s, warmstart.cache_dir, model.tokenizer_cache_dir and logger.* is
+    refused."""
     resume_force: bool = False
     """With resume=true: continue even when the config differs from the checkpoint's (a warning lists
     the changed fields)."""
@@ -286,9 +268,12 @@ class Config:
         check_finite(self)
         self.model.validate()
         check_pretrained(self.model.pretrained)
-        if self.task.name not in TASKS:
-            raise ValueError(f"task.name={self.task.name!r}: expected one of {sorted(TASKS)}")
-        longest = make_task(self.task.name, self.task.difficulty, self.task.mix).max_response_len + 1  # + EOS
+        self.task.validate()
+        self._validate_dataset_options()
+        # A dataset's answers are known once it is loaded (load_task); a synthetic task's bound is exact.
+        longest = 0 if self.task.name == DATASET else (
+            make_task(self.task.name, self.task.difficulty, self.task.mix).max_response_len + 1  # + EOS
+        )
         if self.sampler.max_new_tokens < longest:
             where = f"task.mix={self.task.mix}" if self.task.mix else f"difficulty {self.task.difficulty}"
             raise ValueError(
@@ -427,6 +412,36 @@ class Config:
         self.eval.validate()
         if self.seed < 0:
             raise ValueError(f"seed={self.seed}: must be >= 0")
+
+    def _validate_dataset_options(self) -> None:
+        """The options that depend on the task or the model's origin (model.tokenizer, pretraining). Not in
+        ModelConfig.validate: a warm-started model is loaded as pretrained with the run's tokenizer fields."""
+        dataset = self.task.name == DATASET
+        if self.model.pretrained and self.model.tokenizer != "char":
+            raise ValueError(
+                f"model.tokenizer={self.model.tokenizer}: model.pretrained={self.model.pretrained} brings its "
+                "own tokenizer; model.tokenizer is for models built from config (leave it char)"
+            )
+        if self.model.tokenizer == "bpe" and not dataset:
+            raise ValueError(
+                "model.tokenizer=bpe trains on a dataset's text, so it needs task=dataset (the synthetic "
+                "tasks' alphabet is a char vocabulary)"
+            )
+        if dataset and self.warmstart.enabled and self.warmstart.pretrain_steps:
+            raise ValueError(
+                f"warmstart.pretrain_steps={self.warmstart.pretrain_steps} pretrains on the synthetic tasks, "
+                "whose text a dataset's tokenizer does not cover: set warmstart.pretrain_steps=0 for task=dataset"
+            )
+
+    def load_task(self) -> Task:
+        """The run's task, built (a dataset loads its rows, verifier and reward function) and checked against
+        the rest of the config; ValueError naming the field. The entry point calls it at start-up, so bad
+        data stops the run in one line before anything is written; the trainer calls it for the run's task."""
+        task = build_task(self.task)
+        if not isinstance(task, DatasetTask):
+            return task
+        check_dataset_run(task, self)
+        return task
 
     def _validate_noise(self) -> None:
         """The routing-noise fields (routing.logit_noise, noise_growth, noise_scope, weight_noise)."""

@@ -91,6 +91,7 @@ def main(cfg: DictConfig) -> float:
     try:
         config = to_config(cfg)
         config.check_machine()
+        config.load_task()  # a dataset's file, fields, verifier and reward function, before anything runs
     except ValueError as err:
         print(f"moe-rl-train: invalid config: {err}", file=sys.stderr)
         if not sweeping:

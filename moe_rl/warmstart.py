@@ -18,7 +18,7 @@ too-easy policy still leaves RL some signal while accuracy < 1); if accuracy nev
 Caching: the result is saved under `<cache_dir>/<task>-<key[:16]>/` (model and tokenizer via
 `save_pretrained`, plus `warmstart.json`), where `key` is the sha256 of everything that determines the
 weights (the device type included; the difficulty mix `task.mix` only when set, so entries built without
-one keep their keys). Builds run on `BUILD_THREADS` torch threads, so a key's weights do
+one keep their keys; likewise a dataset task's identity and a tokenizer other than char). Builds run on `BUILD_THREADS` torch threads, so a key's weights do
 not depend on the caller's thread count. `warmstart.json` holds the sha256 of every file of the entry;
 an entry that fails that check is rebuilt with a warning. A valid entry is read without any lock (a
 read-only cache is usable). Concurrent builders (Hydra sweep jobs) serialise on an exclusive lock of
@@ -61,9 +61,10 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from moe_rl.errors import RunError
-from moe_rl.models import ModelConfig, build_model, build_tokenizer
+from moe_rl.models import ModelConfig, build_model
+from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.rollout import SamplerConfig, position_ids_from_mask, sample
-from moe_rl.tasks import Example, Task, make_task, split_seed
+from moe_rl.tasks import DatasetTask, Example, Task, make_task, split_seed
 
 FORMAT_VERSION = 2
 """Bump when the training procedure changes so old cache entries stop matching (2: fixed build
@@ -183,6 +184,7 @@ def cache_key(
     *,
     device: str = "cpu",
     mix: Sequence[int] = (),
+    data: dict[str, Any] | None = None,
 ) -> str:
     """sha256 hex digest of a canonical JSON of everything that determines the warm-started weights.
 
@@ -190,22 +192,28 @@ def cache_key(
     not: builds run on BUILD_THREADS threads whatever the caller's setting. A non-empty `mix` (task.mix,
     order and repeats included: both change the draws) is; an empty one adds nothing, so the keys of
     single-difficulty entries are those they had before task.mix existed. Likewise the pretraining fields
-    enter only when `pretrain_steps` > 0.
+    enter only when `pretrain_steps` > 0, the model's tokenizer fields only when it is not char, and
+    `data` (a dataset task's `identity()`: its rows' hash and the settings that shape them) only when given.
     """
     ws = asdict(ws_cfg)
     del ws["cache_dir"], ws["build_seed"]  # where it is kept; which seed builds it is `seed` below
     if ws_cfg.pretrain_steps == 0:  # no pretraining: the keys entries had before it existed
         del ws["pretrain_steps"], ws["pretrain_aux_loss_coef"]
+    model = asdict(model_cfg)
+    del model["tokenizer_cache_dir"]  # where it is kept
+    if model_cfg.tokenizer == "char":  # the tokenizer every entry had before model.tokenizer existed
+        del model["tokenizer"], model["bpe_vocab_size"]
     payload = dict(
         format=FORMAT_VERSION,
         device=torch.device(device).type,
-        model=asdict(model_cfg),
+        model=model,
         task=task_name,
         difficulty=difficulty,
         warmstart=ws,
         seed=seed,
         max_new_tokens=max_new_tokens,
         **({"mix": list(mix)} if mix else {}),
+        **({"data": data} if data is not None else {}),
     )
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -460,15 +468,15 @@ def _build(
     key: str,
     device: str,
     progress: bool,
-    mix: Sequence[int] = (),
+    mix: Sequence[int],
+    task: Task,
 ) -> tuple[float, int]:
     """Train, then save into a temporary sibling of `final` and rename it into place; return (accuracy, steps)."""
     start = time.perf_counter()
-    task = make_task(task_name, difficulty, mix)
     if model_cfg.pretrained:
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.pretrained)
     else:
-        tokenizer = build_tokenizer()
+        tokenizer = policy_tokenizer(model_cfg, task)
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     threads = torch.get_num_threads()
     torch.set_num_threads(BUILD_THREADS)
@@ -499,6 +507,7 @@ def _build(
             task=task_name,
             difficulty=difficulty,
             mix=list(mix),
+            data=_identity(task),
             seed=seed,
             max_new_tokens=max_new_tokens,
             model=asdict(model_cfg),
@@ -515,6 +524,11 @@ def _build(
     return accuracy, steps
 
 
+def _identity(task: Task) -> dict[str, Any] | None:
+    """A dataset task's part of the cache key (its rows and settings); None for a synthetic task."""
+    return task.identity() if isinstance(task, DatasetTask) else None
+
+
 def warm_start_dir(
     model_cfg: ModelConfig,
     task_name: str,
@@ -525,11 +539,14 @@ def warm_start_dir(
     max_new_tokens: int | None = None,
     device: str = "cpu",
     mix: Sequence[int] = (),
+    task: Task | None = None,
 ) -> Path:
     """The cache directory `<cache_dir>/<task>-<key[:16]>` of a warm start (its lock is `<dir>.lock`)."""
+    task = task if task is not None else make_task(task_name, difficulty, mix)
     if max_new_tokens is None:
-        max_new_tokens = make_task(task_name, difficulty, mix).max_response_len + 1
-    key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device, mix=mix)
+        max_new_tokens = task.max_response_len + 1
+    key = cache_key(model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device, mix=mix,
+                    data=_identity(task))
     return Path(ws_cfg.cache_dir).expanduser().resolve() / f"{task_name}-{key[:16]}"
 
 
@@ -544,6 +561,7 @@ def warm_start(
     progress: bool = True,
     device: str = "cpu",
     mix: Sequence[int] = (),
+    task: Task | None = None,
 ) -> WarmStartResult:
     """Return a cached warm-started checkpoint for this configuration, training it first if needed.
 
@@ -551,6 +569,8 @@ def warm_start(
     Pass the RL sampler's value so the band is measured as RL will sample.
     device: where training runs; its type (cpu, cuda) is part of the cache key.
     mix: task.mix, the difficulties examples are drawn at (empty: `difficulty` only); part of the key.
+    task: the built task (a `DatasetTask`, whose rows and settings enter the key); default
+    `make_task(task_name, difficulty, mix)`.
     Raises ValueError for a bad config and RuntimeError when accuracy never reaches target_low.
     """
     start = time.perf_counter()
@@ -562,10 +582,12 @@ def warm_start(
         raise ValueError(
             f"seed={seed}: the run seed must be >= 0 (it seeds the train split's example stream)"
         )
+    task = task if task is not None else make_task(task_name, difficulty, mix)
     if max_new_tokens is None:
-        max_new_tokens = make_task(task_name, difficulty, mix).max_response_len + 1
+        max_new_tokens = task.max_response_len + 1
     final = warm_start_dir(
-        model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens=max_new_tokens, device=device, mix=mix
+        model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens=max_new_tokens, device=device, mix=mix,
+        task=task,
     )
     # A finished entry never changes: a valid one is read without the lock (a read-only cache works).
     meta = _verified_meta(final)
@@ -592,12 +614,13 @@ def warm_start(
             if final.exists():
                 shutil.rmtree(final)
             key = cache_key(
-                model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device, mix=mix
+                model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, device=device, mix=mix,
+                data=_identity(task),
             )
             try:
                 accuracy, steps = _build(
                     final, model_cfg, task_name, difficulty, ws_cfg, seed, max_new_tokens, key, device,
-                    progress, mix,
+                    progress, mix, task,
                 )
             except BaseException:
                 lock_path.unlink(missing_ok=True)  # no entry: leave no lock file behind either

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")
 EXPERTS_IMPLS = ("eager", "grouped_mm", "batched_mm")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+TOKENIZERS = ("char", "bpe")
+BPE_MIN_VOCAB = 260
+"""A byte-level BPE's smallest vocabulary: the 256 bytes and the four special tokens."""
 
 
 @dataclass
@@ -17,6 +20,16 @@ class ModelConfig:
     """Architecture when built from config: one of qwen3_moe, olmoe, mixtral, qwen2_moe."""
     pretrained: str | None = None
     """Path or hub id loaded with `from_pretrained`; when set, the size fields below are ignored."""
+    tokenizer: str = "char"
+    """Tokenizer of a model built from config (moe_rl.models.tokenizer): char, one token per character
+    (the synthetic tasks' alphabet, or every character of task=dataset's rows), or bpe, a byte-level BPE
+    trained at start-up on task=dataset's training text and cached by its content hash. With
+    model.pretrained the checkpoint's own tokenizer is used, and this must stay char (moe_rl.config)."""
+    bpe_vocab_size: int = 512
+    """model.tokenizer=bpe: the vocabulary size the BPE is trained to (at least 260: the 256 bytes and
+    four special tokens; smaller text may stop short of it)."""
+    tokenizer_cache_dir: str = "~/.cache/moe-rl/tokenizer"
+    """Where trained BPE tokenizers are kept, one folder per content hash (not part of any cache key)."""
     hidden_size: int = 128
     """Residual stream width."""
     num_layers: int = 4
@@ -70,8 +83,14 @@ class ModelConfig:
             )
         if self.attn_impl not in ("sdpa", "eager"):
             raise ValueError(f"model.attn_impl={self.attn_impl!r}: expected 'sdpa' or 'eager'")
-        if self.pretrained:
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"model.tokenizer={self.tokenizer!r}: expected one of {TOKENIZERS}")
+        if self.pretrained:  # its own tokenizer (a warm start's is the one it was built with)
             return
+        if self.tokenizer == "bpe" and self.bpe_vocab_size < BPE_MIN_VOCAB:
+            raise ValueError(f"model.bpe_vocab_size={self.bpe_vocab_size}: must be >= {BPE_MIN_VOCAB}")
+        if not self.tokenizer_cache_dir:
+            raise ValueError("model.tokenizer_cache_dir is empty: give a folder for trained tokenizers")
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r}: unknown family, expected one of {FAMILIES}")
         for name in (

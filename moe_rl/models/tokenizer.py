@@ -1,16 +1,39 @@
-"""A character-level tokenizer built offline as a real `PreTrainedTokenizerFast`.
+"""Tokenizers of models built from config, built offline as real `PreTrainedTokenizerFast`s.
 
-Every character of the alphabet is one token; `<pad>`, `<bos>`, `<eos>` and `<unk>` come first.
-It uses a BPE model with no merges (so a string splits into its characters) and a `Fuse` decoder
-(so decoding joins them back without spaces). Padding is on the left, as batched sampling needs.
+char (`build_tokenizer`): every character of the alphabet is one token; `<pad>`, `<bos>`, `<eos>` and
+`<unk>` come first. It uses a BPE model with no merges (so a string splits into its characters) and a
+`Fuse` decoder (so decoding joins them back without spaces).
+
+bpe (`bpe_tokenizer`): a byte-level BPE trained with `tokenizers` on a corpus (the dataset task's
+training text), the same four special tokens first. Training is deterministic, and the result is cached
+as `<model.tokenizer_cache_dir>/bpe-<key[:16]>/tokenizer.json`, `key` the sha256 of the corpus, the
+vocabulary size and BPE_FORMAT, so a run and its resume, or two runs on one dataset, share one tokenizer.
+
+Both prepend `<bos>` when encoding and pad on the left, as batched sampling needs; the caller appends
+`<eos>` to demonstrations. `policy_tokenizer` picks one for a model config and a task.
 """
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, processors
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from moe_rl.errors import RunError
+
+if TYPE_CHECKING:
+    from moe_rl.models.config import ModelConfig
+    from moe_rl.tasks import Task
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+BPE_FORMAT = 1
+"""Bump when the BPE's construction changes, so cached tokenizers stop matching."""
 
 
 def build_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
@@ -30,8 +53,13 @@ def build_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
+    return _wrap(core)
+
+
+def _wrap(core: Tokenizer) -> PreTrainedTokenizerFast:
+    """`core` with `<bos>` prepended on encoding, as a left-padding `PreTrainedTokenizerFast`."""
     core.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", core.token_to_id("<bos>"))]
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -42,3 +70,53 @@ def build_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+
+
+def train_bpe(corpus: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE over `corpus` with at most `vocab_size` tokens, the special tokens at ids 0..3."""
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(corpus, trainer=trainer)
+    return core
+
+
+def bpe_tokenizer(corpus: list[str], vocab_size: int, cache_dir: str) -> PreTrainedTokenizerFast:
+    """The byte-level BPE of `corpus` (`train_bpe`), trained once and then read from the cache."""
+    digest = hashlib.sha256(json.dumps([BPE_FORMAT, vocab_size, SPECIAL_TOKENS]).encode())
+    for text in corpus:
+        digest.update(text.encode() + b"\0")
+    path = Path(cache_dir).expanduser() / f"bpe-{digest.hexdigest()[:16]}" / "tokenizer.json"
+    if path.is_file():
+        return _wrap(Tokenizer.from_file(str(path)))
+    core = train_bpe(corpus, vocab_size)
+    try:  # written under a temporary name and renamed: a reader never sees half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer.json.tmp-")
+        os.close(fd)
+        try:
+            core.save(tmp)
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except OSError as err:
+        raise RunError(
+            f"tokenizer cache {path.parent} is not writable ({err.strerror or err}): set "
+            "model.tokenizer_cache_dir to a writable folder"
+        ) from err
+    return _wrap(core)
+
+
+def policy_tokenizer(model_cfg: ModelConfig, task: Task) -> PreTrainedTokenizerFast:
+    """The tokenizer of a model built from `model_cfg` for `task`: char over `task.alphabet` (for a
+    synthetic task exactly `build_tokenizer()`), or bpe trained on the dataset task's `corpus()`."""
+    if model_cfg.tokenizer == "bpe":
+        assert hasattr(task, "corpus"), "model.tokenizer=bpe is validated to need task=dataset"
+        return bpe_tokenizer(task.corpus(), model_cfg.bpe_vocab_size, model_cfg.tokenizer_cache_dir)
+    return build_tokenizer(task.alphabet)

@@ -4,7 +4,9 @@ Tasks: "arithmetic" (difficulty = operand digits, 1..6), "sort" (difficulty = it
 "countdown" (difficulty = how many numbers, 2..6). Build one with `make_task(name, difficulty)`, or
 with `make_task(name, difficulty, mix)` one whose examples are drawn at the difficulties in `mix`
 (`MixedTask`, task.mix). `BroadTask(TASKS)` mixes every family at every difficulty (the warm start's
-pretraining data, `warmstart.pretrain_steps`).
+pretraining data, `warmstart.pretrain_steps`). `DatasetTask` (task=dataset) serves the rows of a file or
+hub dataset, scored by a verifier or a reward function (moe_rl.tasks.dataset); `build_task(TaskConfig)`
+builds whichever the config names.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from collections.abc import Sequence
 from moe_rl.tasks.arithmetic import ArithmeticTask
 from moe_rl.tasks.base import ALPHABET, SPLITS, Example, Task, split_seed
 from moe_rl.tasks.broad import BroadTask
+from moe_rl.tasks.config import DATASET, TaskConfig
 from moe_rl.tasks.countdown import CountdownTask
+from moe_rl.tasks.dataset import DatasetTask
 from moe_rl.tasks.mixed import MixedTask
 from moe_rl.tasks.sort import SortTask
 
@@ -32,17 +36,30 @@ def make_task(name: str, difficulty: int, mix: Sequence[int] = ()) -> Task:
     return TASKS[name](difficulty)
 
 
+def build_task(cfg: TaskConfig) -> Task:
+    """The task `cfg` names: a synthetic one (`make_task`), or a `DatasetTask`, which loads its data and
+    checks its fields, verifier and reward function; ValueError naming the field."""
+    cfg.validate()
+    if cfg.name == DATASET:
+        return DatasetTask(cfg)
+    return make_task(cfg.name, cfg.difficulty, cfg.mix)
+
+
 __all__ = [
+    "DATASET",
     "ALPHABET",
     "SPLITS",
     "TASKS",
     "ArithmeticTask",
     "BroadTask",
     "CountdownTask",
+    "DatasetTask",
     "Example",
     "MixedTask",
     "SortTask",
     "Task",
+    "TaskConfig",
+    "build_task",
     "make_task",
     "split_seed",
 ]

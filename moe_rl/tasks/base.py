@@ -57,6 +57,9 @@ class Task(abc.ABC):
     name: ClassVar[str]
     min_difficulty: ClassVar[int]
     max_difficulty: ClassVar[int]
+    reward_can_fail: ClassVar[bool] = False
+    """Whether `rewards` can report a failed row (a dataset's reward function); synthetic verifiers
+    cannot fail, so their runs log no `rollout/reward_errors`."""
 
     def __init__(self, difficulty: int) -> None:
         lo, hi = self.min_difficulty, self.max_difficulty
@@ -94,6 +97,15 @@ class Task(abc.ABC):
     def reward(self, example: Example, response: str) -> float:
         """Return 1.0 if `response` solves `example`, else 0.0 (binary, so mean reward = accuracy)."""
         return 1.0 if self.is_correct(example, response) else 0.0
+
+    def rewards(self, examples: list[Example], responses: list[str]) -> tuple[list[float], list[bool]]:
+        """Each response's reward, and whether scoring it failed (never, for a synthetic task)."""
+        return [self.reward(ex, r) for ex, r in zip(examples, responses, strict=True)], [False] * len(examples)
+
+    @property
+    def alphabet(self) -> str:
+        """Every character a prompt or demonstration may contain: a character tokenizer's vocabulary."""
+        return ALPHABET
 
     def examples(self, split: str, n: int, seed: int) -> list[Example]:
         """Return `n` examples of `split` ("train"/"eval") from `random.Random(split_seed(split, seed))`."""

@@ -26,6 +26,7 @@ finite metrics of the last step.
 |---|---|
 | `rollout/reward/mean`, `rollout/reward/std` | reward over the P x G completions |
 | `rollout/accuracy` | fraction of completions with reward 1 |
+| `rollout/reward_errors` | task=dataset only: completions whose reward failed (`task.reward_fn` or the verifier raised, or returned a non-finite or non-numeric value) and so scored 0, each with a warning naming its dataset row; summed over ranks (moe_rl.tasks.dataset). Synthetic verifiers cannot fail and log no such key |
 | `rollout/response_len/mean` | response tokens (EOS included) |
 | `rollout/entropy/mean` | mean entropy (nats) of the sampler's token distributions softmax(logits / T) |
 | `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches (`*/sum` summed); `clip/dual_frac` only with `objective.clip_ratio_c` |

@@ -172,6 +172,7 @@ RESUME_SAFE = (
     "trainer.threads",
     "trainer.dist_timeout_s",
     "warmstart.cache_dir",
+    "model.tokenizer_cache_dir",  # where a BPE is kept; its content hash decides which one is read
     "resume",
     "resume_force",
     "logger.",

@@ -7,6 +7,8 @@ stream, so the smaller lies inside the larger). Sampling noise is freshly seeded
 a change between evaluations reflects the weights, not the draw. Evaluation uses its own generator and
 touches no training RNG, so turning it on or off never changes the training run. With `eval.at_start`
 the policy is also evaluated before the first update, logged in step 0's row as `eval/initial/*`.
+For task=dataset the eval stream is the dataset's held-out rows in a seeded order (moe_rl.tasks.dataset),
+so `eval.size` and `eval.expected_size` may not exceed them, and "correct" means reward 1.
 
 | key | meaning |
 |---|---|

@@ -26,11 +26,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
 from moe_rl.errors import RunError
-from moe_rl.models import build_model, build_tokenizer
+from moe_rl.models import build_model
 from moe_rl.models.build import unloadable
+from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.objectives import SPECS
 from moe_rl.routing import RoutingController
-from moe_rl.tasks import make_task
+from moe_rl.tasks import Task
 from moe_rl.trainer.checkpoint import (
     finished_summary,
     hydra_files,
@@ -83,10 +84,12 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _policy(cfg: Config, progress: bool):
-    """The initial policy: warm-started (cached) when enabled, else freshly built or loaded."""
+def _policy(cfg: Config, progress: bool, task: Task | None = None):
+    """The initial policy for `task` (default `cfg.load_task()`): warm-started (cached) when enabled,
+    else freshly built or loaded."""
+    task = task if task is not None else cfg.load_task()
     if not cfg.warmstart.enabled:
-        tokenizer = load_tokenizer(cfg.model.pretrained) if cfg.model.pretrained else build_tokenizer()
+        tokenizer = load_tokenizer(cfg.model.pretrained) if cfg.model.pretrained else policy_tokenizer(cfg.model, task)
         return build_model(cfg.model, tokenizer), tokenizer, None
     ws = warm_start(
         cfg.model,
@@ -98,6 +101,7 @@ def _policy(cfg: Config, progress: bool):
         max_new_tokens=cfg.sampler.max_new_tokens,
         progress=progress,
         device=cfg.trainer.device,
+        task=task,
     )
     model = build_model(dataclasses.replace(cfg.model, pretrained=str(ws.path)))
     return model, AutoTokenizer.from_pretrained(ws.path), ws
@@ -106,7 +110,8 @@ def _policy(cfg: Config, progress: bool):
 def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     dist = dist or Dist()
     torch.manual_seed(cfg.seed)
-    model, tokenizer, ws = _policy(cfg, progress=cfg.logger.progress and dist.main)
+    task = cfg.load_task()
+    model, tokenizer, ws = _policy(cfg, cfg.logger.progress and dist.main, task)
     if cfg.task.chat_template and not tokenizer.chat_template:
         raise ValueError(
             f"task.chat_template=true, but the tokenizer of {cfg.model.pretrained or 'the built model'} has no "
@@ -149,7 +154,7 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
         model,
         tokenizer,
         RoutingController(model),
-        make_task(cfg.task.name, cfg.task.difficulty, cfg.task.mix),
+        task,
         optimizer,
         scheduler,
         torch.Generator(torch.device(t.device)).manual_seed(cfg.seed),

@@ -154,8 +154,9 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
     return chat
 
 
-def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor]:
-    """Sample and score this rank's rows of the step's P x G completions."""
+def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+    """Sample and score this rank's rows of the step's P x G completions: the rollout, `rewards_B` and
+    `failed_B` (1 where the task's reward failed and scored 0: a dataset's reward function)."""
     cfg, t, d = ctx.cfg, ctx.cfg.trainer, ctx.dist
     examples = ctx.task.examples("train", t.prompts_per_step, seed=cfg.seed * 1_000_003 + step)
     examples_B = [ex for ex in examples for _ in range(t.group_size)]
@@ -180,8 +181,8 @@ def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor]:
         all_done=d.all_done if ctx.sharded else None,
         record_logits=t.reuse_sampler_logp,  # the sampler's trace is then the old policy's
     )
-    rewards = [ctx.task.reward(ex, text) for ex, text in zip(examples_B[rows], roll.texts, strict=True)]
-    return roll, torch.tensor(rewards, dtype=torch.float32)
+    rewards, failed = ctx.task.rewards(examples_B[rows], roll.texts)
+    return roll, torch.tensor(rewards, dtype=torch.float32), torch.tensor(failed, dtype=torch.float64)
 
 
 def _sampler_trace(batch: Batch, sl: slice) -> RoutingTrace:
@@ -388,7 +389,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     """
     cfg, t, d = ctx.cfg, ctx.cfg.trainer, ctx.dist
     t0 = time.perf_counter()
-    roll, rewards_B = _rollout(ctx, step)
+    roll, rewards_B, failed_B = _rollout(ctx, step)
     adv_B = group_advantages(rewards_B, t.group_size, normalize_std=cfg.objective.normalize_std)
     # This rank's runs of M rows in every mini-batch, as indices into its own rows.
     unit = t.group_size if t.group_minibatches else 1
@@ -429,7 +430,9 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
         }
     )
     margins = response_margins(old_trace, _response_positions(batch, slice(None)), ctx.controller.top_k)
-    metrics, per_mb = _reduced_metrics(ctx, roll, rewards_B, batch, slices, per_mb, changes, local, margins)
+    metrics, per_mb = _reduced_metrics(
+        ctx, roll, (rewards_B, failed_B), batch, slices, per_mb, changes, local, margins
+    )
     ctx.detector.observe(step, {**metrics, **ratio_extremes(per_mb)})
     metrics["collapse/events"] = float(len(ctx.detector.events))
     metrics["collapse/new_events"] = float(sum(1 for e in ctx.detector.events if e.step == step))
@@ -439,7 +442,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
 def _reduced_metrics(
     ctx: StepContext,
     roll: Rollout,
-    rewards_B: torch.Tensor,
+    scores: tuple[torch.Tensor, torch.Tensor],
     batch: Batch,
     slices: list[slice],
     per_mb: list[S.Finished],
@@ -449,13 +452,16 @@ def _reduced_metrics(
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
     """The step's metrics over all ranks (one gather; identical on every rank), and each mini-batch's.
 
-    Each mini-batch's objective stats are pooled over ranks exactly (moe_rl.stats.combine: whatever the
-    key), then finished; the step's value is their mean over mini-batches (`*/sum`: their sum)."""
+    `scores` is (rewards_B, failed_B) of this rank's rows. Each mini-batch's objective stats are pooled
+    over ranks exactly (moe_rl.stats.combine: whatever the key), then finished; the step's value is their
+    mean over mini-batches (`*/sum`: their sum)."""
     mask_BR = roll.response_mask_BR
+    rewards_B, failed_B = scores
     rows = [
         rewards_B.double(),
         mask_BR.sum(1).double().cpu(),
         (roll.entropy_BR * mask_BR).sum(1).double().cpu(),
+        failed_B,
     ]
     ranks = ctx.dist.gather(
         {
@@ -468,7 +474,7 @@ def _reduced_metrics(
             "margins": margins,
         }
     )
-    metrics = rollout_metrics([row for r in ranks for row in r["rows"]])
+    metrics = rollout_metrics([row for r in ranks for row in r["rows"]], ctx.task.reward_can_fail)
     M = len(slices)
     mb_counts = [[r["mb_counts"][j] for r in ranks] for j in range(M)]
     per_mb = [S.values(S.combine([r["per_mb"][j] for r in ranks])) for j in range(M)]

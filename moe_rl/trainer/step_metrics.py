@@ -52,16 +52,20 @@ def ratio_extremes(per_mb: list[dict[str, float]]) -> dict[str, float]:
             out[key] = (max if key.endswith("/max") else min)(values) if values else math.nan
     return out
 
-def rollout_metrics(rows: list[list[float]]) -> dict[str, float]:
-    """Rollout metrics over all ranks' rows, each row (reward, response tokens, summed token entropy)."""
-    reward_B, length_B, entropy_B = torch.tensor(rows, dtype=torch.float64).T
-    return {
+def rollout_metrics(rows: list[list[float]], reward_can_fail: bool = False) -> dict[str, float]:
+    """Rollout metrics over all ranks' rows, each row (reward, response tokens, summed token entropy,
+    reward failed 0/1); `rollout/reward_errors` only for a task whose reward can fail (`Task.reward_can_fail`)."""
+    reward_B, length_B, entropy_B, failed_B = torch.tensor(rows, dtype=torch.float64).T
+    out = {
         "rollout/reward/mean": reward_B.mean().item(),
         "rollout/reward/std": reward_B.std().item(),
         "rollout/accuracy": (reward_B == 1).double().mean().item(),
         "rollout/response_len/mean": length_B.mean().item(),
         "rollout/entropy/mean": (entropy_B.sum() / length_B.sum()).item(),
     }
+    if reward_can_fail:
+        out["rollout/reward_errors"] = failed_B.sum().item()
+    return out
 
 
 def minibatch_overlap(batch: Batch, group_B: torch.Tensor, slices: list[slice]) -> dict[str, float]:
