@@ -38,7 +38,7 @@ from moe_rl.config import Config
 from moe_rl import stats as S
 from moe_rl.objectives import OBJECTIVES, ObjectiveInputs, group_advantages
 from moe_rl.objectives.common import LENGTH_SUMS, length_bins, length_metrics, length_sums
-from moe_rl.rollout import Rollout, response_logprobs, response_logprobs_and_aux, sample
+from moe_rl.rollout import Rollout, SamplingSupport, response_logprobs, response_logprobs_and_aux, sample
 from moe_rl.routing import (
     Drift,
     RoutingController,
@@ -78,6 +78,12 @@ class Batch:
     sampler_trace: RoutingTrace | None
     rows_B: torch.Tensor | None = None
     """Each row's index in the step's global rollout batch (what routing.logit_noise is keyed by)."""
+    support: SamplingSupport | None = None
+    """Each response token's top-p support (sampler.keep_sampling_mask), else None."""
+
+    def support_of(self, sl: slice) -> SamplingSupport | None:
+        """The sampling support of mini-batch `sl`, which its old-policy and update forwards renormalise over."""
+        return None if self.support is None else self.support.rows(sl)
 
     @classmethod
     def from_rollout(
@@ -97,6 +103,7 @@ class Batch:
             roll.logp_BR[perm_B],
             trace,
             perm_B + row_offset,
+            roll.support.rows(perm_B.cpu()) if roll.support is not None else None,
         )
 
 
@@ -220,6 +227,7 @@ def _old_policy(
                     batch.attention_mask_BS[sl],
                     R,
                     ctx.cfg.sampler.temperature or 1.0,
+                    batch.support_of(sl),
                 )
             )
         traces.append(rec.trace)
@@ -361,7 +369,7 @@ def _update(
         noising(ctx, step, batch, sl, "update", minibatch),
     ):
         logp_bR, aux_loss = response_logprobs_and_aux(
-            ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0
+            ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0, support=batch.support_of(sl)
         )
     change = _routing_change(ctx, batch, sl, rec.trace, old_trace, drift)
     ref_logp = None
