@@ -38,6 +38,7 @@ from moe_rl.config import Config
 from moe_rl import stats as S
 from moe_rl.objectives import OBJECTIVES, ObjectiveInputs, group_advantages
 from moe_rl.objectives.common import LENGTH_SUMS, length_bins, length_metrics, length_sums
+from moe_rl.objectives.router_shift import router_shift_ratio
 from moe_rl.rollout import Rollout, SamplingSupport, response_logprobs, response_logprobs_and_aux, sample
 from moe_rl.routing import (
     Drift,
@@ -281,6 +282,7 @@ def _objective(
     logp_bR: torch.Tensor,
     old_logp_bR: torch.Tensor,
     ref_logp_bR: torch.Tensor | None,
+    router_shift_bR: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, S.Stats]:
     """The configured objective's (loss, stats) on mini-batch `sl`: the one registry lookup."""
     o = ctx.cfg.objective
@@ -307,8 +309,26 @@ def _objective(
         tau_pos=o.tau_pos,
         tau_neg=o.tau_neg,
         opsm_delta=o.opsm_delta,
+        router_shift=router_shift_bR,
     )
     return OBJECTIVES[o.name].compute(inputs)
+
+
+def _router_shift(
+    ctx: StepContext, batch: Batch, sl: slice, used: RoutingTrace, old_trace: RoutingTrace
+) -> tuple[torch.Tensor, S.Stats]:
+    """RSPO's γ̃ [b, R] of mini-batch `sl` from the routing traces, not a second forward: `used` holds this
+    update forward's live router logits, `old_trace` the old policy's. The old policy's *activated* experts
+    are its own top-k, or under R3 the sampler's it replayed."""
+    R = batch.response_mask_BR.shape[1]
+    activated = _sampler_trace(batch, sl) if ctx.cfg.routing.replay == "rollout" else old_trace
+    return router_shift_ratio(
+        used.router_logits_BTLE[:, -R:],  # the R positions that predict response tokens
+        old_trace.router_logits_BTLE[:, -R:],
+        activated.expert_ids_BTLK[:, -R:],
+        batch.response_mask_BR[sl],
+        ctx.cfg.objective.router_shift_floor,
+    )
 
 
 def _optimizer_step(ctx: StepContext, step: int, loss: torch.Tensor, minibatch: int = 0) -> float:
@@ -363,7 +383,8 @@ def _update(
     aux_coef = cfg.model.router_aux_loss_coef
     drift_ctx = drifting(ctx, step, minibatch)
     with (
-        ctx.controller.record(with_logits=minibatch == 1) as rec,  # mini-batch 2's logit shift
+        # mini-batch 2's logit shift; every mini-batch's under RSPO
+        ctx.controller.record(with_logits=minibatch == 1 or cfg.objective.router_shift) as rec,
         _replaying(ctx, replay),
         drift_ctx if drift_ctx is not None else contextlib.nullcontext() as drift,
         noising(ctx, step, batch, sl, "update", minibatch),
@@ -376,7 +397,11 @@ def _update(
     if ctx.ref_model is not None:
         with torch.no_grad():
             ref_logp = response_logprobs(ctx.ref_model, ids_bS, attn_bS, R, temperature)
-    loss, metrics = _objective(ctx, batch, sl, logp_bR, old_logp_bR, ref_logp)
+    shift_bR, shift_stats = None, {}
+    if cfg.objective.router_shift:
+        shift_bR, shift_stats = _router_shift(ctx, batch, sl, rec.trace, old_trace)
+    loss, metrics = _objective(ctx, batch, sl, logp_bR, old_logp_bR, ref_logp, shift_bR)
+    metrics.update(shift_stats)
     if minibatch > 0:  # the first mini-batch is on-policy: every ratio is 1 there
         bins = length_bins(cfg.sampler.max_new_tokens)
         change["length"] = length_sums(logp_bR, old_logp_bR, batch.response_mask_BR[sl], bins).flatten().tolist()
