@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.testing import assert_close
 from test_noise import _same
 from test_train import TINY, compose_config
+from torch.testing import assert_close
 
 from moe_rl.rollout import SamplerConfig, response_logprobs, sample
 from moe_rl.rollout.sampler import _draw

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from torch.testing import assert_close
 from test_objectives_extra import CLIP, call, grad_of, make_batch, ppo_term, rows, toks
+from torch.testing import assert_close
 
-from moe_rl.objectives.router_shift import router_shift_ratio
 from moe_rl import stats as S
+from moe_rl.objectives.router_shift import router_shift_ratio
 
 
 def _routing(B=4, T=5, L=3, E=6, K=2, seed=0, shift=0.5):
@@ -30,10 +30,10 @@ def ref_gamma(new, old, ids, floor):
     for b in range(B):
         for t in range(T):
             total = 0.0
-            for l in range(L):
-                zn, zo = new[b, t, l].double(), old[b, t, l].double()
+            for layer in range(L):
+                zn, zo = new[b, t, layer].double(), old[b, t, layer].double()
                 ln, lo = zn - torch.logsumexp(zn, 0), zo - torch.logsumexp(zo, 0)
-                total += sum(abs(float(ln[e] - lo[e])) for e in ids[b, t, l].long())
+                total += sum(abs(float(ln[e] - lo[e])) for e in ids[b, t, layer].long())
             out[b, t] = max(math.exp(-total / (L * K)), floor)
     return out
 
@@ -103,6 +103,7 @@ def test_first_minibatch_has_no_router_shift_and_the_second_does():
     """In the trainer (γ̃ read from the routing traces): the on-policy mini-batch has γ̃ exactly 1, the
     off-policy one below 1 after a large update."""
     from test_train import _step_parts
+
     from moe_rl.trainer.step import _update
 
     ctx, batch, slices, old_logps, old_traces = _step_parts("off", extra=("objective.router_shift=true",

@@ -28,7 +28,6 @@ from moe_rl.rollout.forward import position_ids_from_mask
 from moe_rl.rollout.support import SamplingSupport
 from moe_rl.routing import RoutingController, RoutingTrace
 
-
 LOGPROBS = ("raw", "processed")
 
 

@@ -34,12 +34,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from moe_rl.config import Config
 from moe_rl import stats as S
+from moe_rl.config import Config
 from moe_rl.objectives import OBJECTIVES, ObjectiveInputs, group_advantages
 from moe_rl.objectives.common import LENGTH_SUMS, length_bins, length_metrics, length_sums
 from moe_rl.objectives.router_shift import router_shift_ratio
-from moe_rl.rollout import Rollout, SamplingSupport, response_logprobs, response_logprobs_and_aux, sample
+from moe_rl.rollout import Rollout, response_logprobs, response_logprobs_and_aux, sample
 from moe_rl.routing import (
     Drift,
     RoutingController,
@@ -50,6 +50,7 @@ from moe_rl.routing import (
     expert_change_fraction,
 )
 from moe_rl.tasks import Task
+from moe_rl.trainer.batch import Batch
 from moe_rl.trainer.collapse import CollapseDetector
 from moe_rl.trainer.distributed import Dist, minibatch_rows, reduce_metrics
 from moe_rl.trainer.perturb import drifting, noising, perturb_router_weights
@@ -64,48 +65,6 @@ from moe_rl.trainer.step_metrics import (
     rollout_metrics,
     routing_metrics,
 )
-
-
-@dataclass
-class Batch:
-    """A scored rollout in mini-batch order (rows permuted once, mini-batches are contiguous slices)."""
-
-    input_ids_BS: torch.Tensor
-    attention_mask_BS: torch.Tensor
-    response_mask_BR: torch.Tensor
-    valid_BS1: torch.Tensor  # positions a forward sees that hold real tokens predicting real tokens
-    adv_B: torch.Tensor
-    sampler_logp_BR: torch.Tensor
-    sampler_trace: RoutingTrace | None
-    rows_B: torch.Tensor | None = None
-    """Each row's index in the step's global rollout batch (what routing.logit_noise is keyed by)."""
-    support: SamplingSupport | None = None
-    """Each response token's top-p support (sampler.keep_sampling_mask), else None."""
-
-    def support_of(self, sl: slice) -> SamplingSupport | None:
-        """The sampling support of mini-batch `sl`, which its old-policy and update forwards renormalise over."""
-        return None if self.support is None else self.support.rows(sl)
-
-    @classmethod
-    def from_rollout(
-        cls, roll: Rollout, adv_B: torch.Tensor, perm_B: torch.Tensor, row_offset: int = 0
-    ) -> Batch:
-        """The rollout's rows in the order `perm_B`; this rank's rows start at global row `row_offset`."""
-        valid_BS = torch.cat([roll.prompt_mask_BP.bool(), roll.response_mask_BR], dim=1)
-        trace = roll.routing.rows(perm_B) if roll.routing is not None else None
-        return cls(
-            roll.input_ids_BS[perm_B],
-            roll.attention_mask_BS[perm_B],
-            roll.response_mask_BR[perm_B],
-            # A real token followed by a real token: a row's last token counts nowhere, however far the
-            # batch is padded after it (on one rank or split over several).
-            (valid_BS[:, :-1] & valid_BS[:, 1:])[perm_B],
-            adv_B[perm_B],
-            roll.logp_BR[perm_B],
-            trace,
-            perm_B + row_offset,
-            roll.support.rows(perm_B.cpu()) if roll.support is not None else None,
-        )
 
 
 @dataclass
