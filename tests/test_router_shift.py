@@ -62,8 +62,9 @@ def _gamma_BT(mask, seed=5):
 
 def test_grpo_and_gmpo_ratios_are_rescaled_before_the_clip():
     """With router_shift γ̃, grpo clips r_it·γ̃_it and gmpo (RSPO) log-clips d_it + log γ̃_it before its
-    geometric mean: values and gradients match float64 references; ratio/* still report π_θ / π_old."""
-    logp, old, adv, mask, _, _ = make_batch(seed=11, gap=0.2)
+    geometric mean: values and gradients match float64 references; ratio/* and the rollout IS weight
+    still see the true π_old."""
+    logp, old, adv, mask, _, sampler = make_batch(seed=11, gap=0.2)
     gamma = _gamma_BT(mask)
     lo, hi = CLIP["grpo"]
     loss, metrics = call("grpo", logp, old, adv, mask, router_shift=gamma)
@@ -74,6 +75,9 @@ def test_grpo_and_gmpo_ratios_are_rescaled_before_the_clip():
     assert_close(grad_of(loss, logp), grad_of(expected, logp))
     _, plain = call("grpo", logp, old, adv, mask)
     assert metrics["ratio/token/mean"] == plain["ratio/token/mean"]
+    _, shifted_is = call("grpo", logp, old, adv, mask, router_shift=gamma, sampler_logp=sampler, rollout_is="token_truncate")
+    _, plain_is = call("grpo", logp, old, adv, mask, sampler_logp=sampler, rollout_is="token_truncate")
+    assert shifted_is["rollout_is/mean"] == plain_is["rollout_is/mean"]  # the IS weight keeps the true π_old
 
     lo, hi = CLIP["gmpo"]
     loss, _ = call("gmpo", logp, old, adv, mask, router_shift=gamma)
