@@ -20,11 +20,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_objectives.py", "tests/test_objectives_extra.py", "tests/test_objectives_stabilisers.py",
-         "tests/test_metric_stats.py"]
+         "tests/test_metric_stats.py", "tests/test_router_shift.py", "tests/test_keep_sampling_mask.py"]
 OBJ = "moe_rl/objectives/"
 
 # (name, file, original text, mutated text); the original must occur exactly once.
 MUTANTS = [
+    # issue 25, the rest: RSPO's router-shift ratio, the keep sampling mask
+    ("rspo: floor not applied", OBJ + "router_shift.py", "floored_BT = gamma_BT.clamp(min=floor)", "floored_BT = gamma_BT"),
+    ("rspo: abs of the mean shift", OBJ + "router_shift.py", "(new_BTLK - old_BTLK).abs().mean(dim=(-2, -1))",
+     "(new_BTLK - old_BTLK).mean(dim=(-2, -1)).abs()"),
+    ("rspo: ratio not rescaled", OBJ + "surrogate.py",
+     "p_rho = p if x.router_shift is None else router_shifted(p, x.router_shift)", "p_rho = p"),
+    ("rspo: rescaling reaches the IS weight's π_old", OBJ + "surrogate.py",
+     "omega_BT, is_stats = rollout_is_weight(p.old_logp_BT,", "omega_BT, is_stats = rollout_is_weight(p_rho.old_logp_BT,"),
+    ("keep mask: not renormalised", "moe_rl/rollout/support.py",
+     'logits = logits.masked_fill(~mask_BRV.to(logits.device), float("-inf"))', "logits = logits"),
+    ("keep mask: padding gets no support", "moe_rl/rollout/support.py", "mask_BRV[(size_N == 0).to(device)] = True", "pass"),
     # issue 25: SAPO, OPSM, the unbiased KL, geometric IS, IcePop, ESS/χ²
     ("sapo: temperatures swapped", OBJ + "sapo.py", "torch.where(adv > 0, rho.new_tensor(x.tau_pos), rho.new_tensor(x.tau_neg))",
      "torch.where(adv > 0, rho.new_tensor(x.tau_neg), rho.new_tensor(x.tau_pos))"),

@@ -80,6 +80,15 @@ class ObjectiveConfig:
     """SAPO's gate temperature for Â > 0 (sapo, sapo_seq; TRL sapo_temperature_pos, verl tau_pos)."""
     tau_neg: float = 1.05
     """SAPO's gate temperature for Â <= 0 (TRL sapo_temperature_neg, verl tau_neg)."""
+    router_shift: bool = False
+    """RSPO (arXiv 2510.23027): rescale the objective's importance ratio, before its clip, by the per-token
+    router-shift ratio γ̃ = max(sg[exp(−mean over layers and the old policy's activated experts of
+    |log p_θ(e) − log p_old(e)|)], router_shift_floor), p the router's softmax over experts, read from the
+    update forward's recorded router logits (moe_rl.objectives.router_shift). Any objective; RSPO itself is
+    gmpo with it (preset rspo)."""
+    router_shift_floor: float = 0.8
+    """γ_min in (0, 1]: the floor of the router-shift ratio (1 = rescaling off). No value could be read
+    from the paper's stored text; 0.8 is the threshold the public verl port counts as clipped."""
     normalize_std: bool = True
     """Divide group advantages by the group std (False = Dr. GRPO)."""
     extreme_band: list[float] = field(default_factory=lambda: [0.5, 2.0])
@@ -304,6 +313,8 @@ class Config:
             )
         if o.opsm_delta is not None and not o.opsm_delta >= 0:
             raise ValueError(f"objective.opsm_delta={o.opsm_delta}: must be >= 0 (or null)")
+        if not 0 < o.router_shift_floor <= 1:
+            raise ValueError(f"objective.router_shift_floor={o.router_shift_floor}: must be in (0, 1]")
         for name in ("tau_pos", "tau_neg"):
             if not getattr(o, name) > 0:
                 raise ValueError(f"objective.{name}={getattr(o, name)}: SAPO's temperature must be > 0")

@@ -125,6 +125,10 @@ def test_grpo_and_gspo_differ_only_in_the_ratio():
         (["objective=grpo_icepop", "objective.rollout_is_band=[1.5,5]"], "objective.rollout_is_band"),
         (["objective=grpo", "objective.kl_estimator=k3_biased"], "objective.kl_estimator"),
         (["objective=grpo_geo_mis", "objective.rollout_is_cap=0.5"], "objective.rollout_is_cap"),
+        (["objective=rspo", "objective.router_shift_floor=0"], "objective.router_shift_floor"),
+        (["objective=rspo", "objective.router_shift_floor=1.5"], "objective.router_shift_floor"),
+        (["sampler.logprobs=logits"], "sampler.logprobs"),
+        (["sampler.keep_sampling_mask=true", "sampler.top_p=0.9"], "sampler.keep_sampling_mask"),
     ],
 )
 def test_new_options_fail_at_start_up_naming_the_field(overrides, field):
@@ -144,11 +148,15 @@ def test_new_presets_carry_their_defaults():
     assert (o["grpo_icepop"].rollout_is, o["grpo_icepop"].rollout_is_band) == ("icepop", [0.5, 5.0])
     assert (o["grpo_kl_unbiased"].kl_estimator, o["grpo_kl_unbiased"].beta) == ("k3_unbiased", 0.001)
     assert all(cfg.preset == name for name, cfg in o.items())
+    rspo, keep = compose_config(["objective=rspo"]), compose_config(["objective=grpo_keep_mask"])
+    assert (rspo.objective.name, rspo.objective.router_shift, rspo.objective.router_shift_floor) == ("gmpo", True, 0.8)
+    assert (keep.sampler.top_p, keep.sampler.logprobs, keep.sampler.keep_sampling_mask) == (0.9, "processed", True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "preset", ["sapo", "sapo_seq", "grpo_opsm", "grpo_geo_tis", "grpo_geo_mis", "grpo_icepop", "grpo_kl_unbiased"]
+    "preset", ["sapo", "sapo_seq", "grpo_opsm", "grpo_geo_tis", "grpo_geo_mis", "grpo_icepop", "grpo_kl_unbiased",
+               "rspo", "grpo_keep_mask"]
 )
 def test_new_presets_run_two_steps_end_to_end(tmp_path, preset):
     """Each new preset trains 2 steps with a bf16 sampler (so the corrections act) and logs finite losses."""

@@ -87,6 +87,9 @@ INVALID = [
     ("sampler.temperature=0", "sampler.temperature"),
     ("+trainer.stepz=3", "trainer.stepz"),
     ("+objective.clip_hihg=0.3 +seeds=2", "objective.clip_hihg"),
+    ("objective=rspo objective.router_shift_floor=0", "objective.router_shift_floor"),
+    ("sampler.logprobs=logits", "sampler.logprobs"),
+    ("sampler.keep_sampling_mask=true sampler.top_p=0.9", "sampler.keep_sampling_mask"),
 ]
 
 

@@ -12,6 +12,7 @@ An `Objective` names two things and nothing else:
 Everything else happens in `compute`, once for all of them, in this order:
 
     ρ      = build_ratio(inputs)                                [B, T] per token, or [B] per sequence
+             (with router_shift γ̃: built on old_logp − log γ̃, so ρ carries the factor γ̃ before any clip)
     ℓ      = surrogate(ρ, Â)                                    same shape as ρ
     ω_it   = rollout IS weight (common.rollout_is_weight) · off-policy sequence mask (opsm, if set)
     loss   = agg(ω ℓ)                  for a per-token ℓ_it (agg = loss_agg)
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -104,6 +105,9 @@ class ObjectiveInputs:
     opsm_delta: float | None = None
     """Off-policy sequence masking's δ (DeepSeek-V3.2): drop Â < 0 tokens of sequences whose mean
     log(π_sampler / π_θ) exceeds δ; None = off."""
+    router_shift: Tensor | None = None
+    """RSPO's floored router-shift ratio γ̃ [B, T] in (0, 1], no gradient (moe_rl.objectives.router_shift):
+    the objective's ratio is rescaled by it before the clip; None = off."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,13 @@ def check(obj: Objective, x: ObjectiveInputs, loss_agg: str) -> None:
         raise ValueError(f"SAPO's temperatures must be > 0, got tau_pos={x.tau_pos}, tau_neg={x.tau_neg}")
     if x.opsm_delta is not None and not x.opsm_delta >= 0:
         raise ValueError(f"opsm_delta must be >= 0 or None, got {x.opsm_delta}")
+    if x.router_shift is not None:
+        if x.router_shift.shape != x.mask.shape or x.router_shift.requires_grad:
+            raise ValueError(f"router_shift must be a [B, T] = {list(x.mask.shape)} tensor without gradient, got "
+                             f"{list(x.router_shift.shape)} (requires_grad={x.router_shift.requires_grad})")
+        gamma = x.router_shift[x.mask]
+        if not ((gamma > 0) & (gamma <= 1)).all():
+            raise ValueError("router_shift must lie in (0, 1] at valid tokens")
     if loss_agg not in obj.loss_aggs:
         raise ValueError(f"{obj.name} is defined with loss_agg in {obj.loss_aggs} only, got {loss_agg!r}")
     if x.clip_ratio_c is not None and not obj.dual_clip:
@@ -242,8 +253,9 @@ def compute(obj: Objective, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
     check(obj, x, loss_agg)
     p = prepare(x, aggregation(loss_agg, x.max_len))
     mask_BT = p.mask_BT
-    ratio = obj.build_ratio(p)
-    sur = obj.surrogate(ratio, p)
+    p_rho = p if x.router_shift is None else router_shifted(p, x.router_shift)
+    ratio = obj.build_ratio(p_rho)
+    sur = obj.surrogate(ratio, p_rho)
     omega_BT, is_stats = rollout_is_weight(p.old_logp_BT, x.sampler_logp, mask_BT, x.rollout_is, x.rollout_is_cap,
                                            x.rollout_is_band, x.mismatch_diagnostics)
     if x.opsm_delta is not None:  # DeepSeek-V3.2's off-policy sequence mask multiplies ω (as TRL)
@@ -289,6 +301,14 @@ def opsm_keep(p: Prepared, delta: float) -> tuple[Tensor, S.Stat]:
     kl_B = torch.where(mask_BT, mu_BT - p.logp_BT.detach(), 0.0).sum(-1) / mask_BT.sum(-1).clamp(min=1)
     keep_BT = (p.adv_BT >= 0) | (kl_B <= delta)[:, None]
     return keep_BT.to(p.logp_BT.dtype), S.mean(~keep_BT[mask_BT])
+
+
+def router_shifted(p: Prepared, gamma_BT: Tensor) -> Prepared:
+    """p with old_logp − log γ̃ (RSPO, moe_rl.objectives.router_shift): every ratio built on it carries γ̃
+    before its clip (token: r·γ̃; sequence: s·(Π_t γ̃)^(1/|y|)). Only the ratio sees it: the rollout IS
+    weight, the KL and the ratio/* diagnostics keep the true π_old."""
+    log_gamma_BT = torch.where(p.mask_BT, gamma_BT.to(p.old_logp_BT).log(), 0.0)
+    return replace(p, old_logp_BT=p.old_logp_BT - log_gamma_BT)
 
 
 def broadcast(x: Tensor, like_BT: Tensor) -> Tensor:

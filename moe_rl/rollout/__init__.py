@@ -7,10 +7,12 @@ from moe_rl.rollout.forward import (
     token_logprobs,
 )
 from moe_rl.rollout.sampler import Rollout, SamplerConfig, sample
+from moe_rl.rollout.support import SamplingSupport
 
 __all__ = [
     "Rollout",
     "SamplerConfig",
+    "SamplingSupport",
     "position_ids_from_mask",
     "response_logprobs",
     "response_logprobs_and_aux",

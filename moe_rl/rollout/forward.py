@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from moe_rl.rollout.support import SamplingSupport, renormalised_logprobs
+
 
 def position_ids_from_mask(mask_BS: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: 0 at each row's first real token (pads get 0 too)."""
@@ -30,14 +32,17 @@ def response_logprobs(
     attention_mask_BS: torch.Tensor,
     response_len: int,
     temperature: float = 1.0,
+    support: SamplingSupport | None = None,
 ) -> torch.Tensor:
-    """`[B, R]` float32 log-probs of the last `response_len` tokens of each row under `model`.
+    """`[B, R]` float32 log-probs of the last `response_len` tokens of each row under `model`, renormalised
+    over each token's sampling support when one is given (the keep sampling mask, moe_rl.rollout.support).
 
     One forward over `input_ids[:, :-1]`; only the R positions that predict response tokens reach the
     LM head (`logits_to_keep`). Open a routing `record()` or `replay()` around the call to capture or
     fix its routing: the trace it sees is `[B, S - 1, L, K]`.
     """
-    return response_logprobs_and_aux(model, input_ids_BS, attention_mask_BS, response_len, temperature)[0]
+    return response_logprobs_and_aux(model, input_ids_BS, attention_mask_BS, response_len, temperature,
+                                     support=support)[0]
 
 
 def response_logprobs_and_aux(
@@ -47,6 +52,7 @@ def response_logprobs_and_aux(
     response_len: int,
     temperature: float = 1.0,
     with_aux: bool = False,
+    support: SamplingSupport | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_logprobs`, and with `with_aux` the family's own load-balancing loss of the forward
     (transformers' `load_balancing_loss_func` over every MoE layer's router logits, padding masked), else
@@ -62,5 +68,9 @@ def response_logprobs_and_aux(
         logits_to_keep=response_len,
         **({"output_router_logits": True} if with_aux else {}),
     )
-    logp_BR = token_logprobs(out.logits, input_ids_BS[:, -response_len:], temperature)
+    tokens_BR = input_ids_BS[:, -response_len:]
+    if support is None:
+        logp_BR = token_logprobs(out.logits, tokens_BR, temperature)
+    else:
+        logp_BR = renormalised_logprobs(out.logits, tokens_BR, temperature, support.mask(out.logits.device))
     return logp_BR, (out.aux_loss if with_aux else None)

@@ -1,9 +1,15 @@
 """Batched sampling with a KV cache, returning completions, the sampler's log-probs and its routing.
 
 One prefill over the left-padded prompts, then one batched forward per new token through the model's
-own forward with its cache. Log-probs are those of the untruncated distribution softmax(logits / T),
-which is what a full forward at the same temperature computes: top-p and EOS suppression change only
-what is *drawn*, never the reported likelihood.
+own forward with its cache. Tokens are drawn from softmax(logits / T) after special-token suppression and
+the top-p cut. Which log-probs are recorded is `sampler.logprobs`:
+- `raw` (default, verl's convention): those of the untruncated softmax(logits / T), which is what a full
+  forward at the same temperature computes: top-p and EOS suppression change only what is *drawn*.
+- `processed` (TRL's and vLLM's processed log-probs): renormalised over the top-p nucleus the token was
+  drawn from, log softmax(logits / T)[y] − log Σ_{v ∈ nucleus} softmax(logits / T)[v]. The same as raw at
+  top_p = 1 (the special tokens a task never lets the sampler draw are a constraint, not a truncation).
+With `sampler.keep_sampling_mask=true` the nucleus of every token is recorded (`Rollout.support`, see
+moe_rl/rollout/support.py), for the trainer's forwards to renormalise over.
 
 Shape legend: B rows, P prompt length, R response length, S = P + R, V vocabulary, L layers, K top-k.
 """
@@ -19,7 +25,10 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import SuppressTokensLogitsProcessor, TopPLogitsWarper
 
 from moe_rl.rollout.forward import position_ids_from_mask
+from moe_rl.rollout.support import SamplingSupport
 from moe_rl.routing import RoutingController, RoutingTrace
+
+LOGPROBS = ("raw", "processed")
 
 
 @dataclass
@@ -35,6 +44,16 @@ class SamplerConfig:
     """Response length limit in tokens (EOS included)."""
     suppress_eos: bool = False
     """Never draw EOS, so every response has exactly max_new_tokens tokens (benchmarks)."""
+    logprobs: str = "raw"
+    """Which sampler log-probs are recorded (Rollout.logp_BR, what rollout IS, OPSM and
+    trainer.reuse_sampler_logp read): raw (default; the untruncated softmax(logits / T), verl's
+    convention, bitwise what moe-rl always recorded) or processed (renormalised over the top-p nucleus
+    actually drawn from, TRL's and vLLM's processed log-probs). Identical at top_p = 1."""
+    keep_sampling_mask: bool = False
+    """Record each token's top-p support (DeepSeek-V3.2's keep sampling mask; slime's): the old-policy and
+    update forwards then renormalise π_old and π_θ over it. Needs logprobs=processed, so the sampler's
+    log-probs are on the same support. No effect at top_p = 1 (nothing is truncated). Costs
+    2 bytes (V <= 32768, else 4) per support entry plus 4 per token (moe_rl/rollout/support.py)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -44,6 +63,13 @@ class SamplerConfig:
             raise ValueError(f"sampler.top_p={self.top_p}: must be in (0, 1]")
         if self.max_new_tokens < 1:
             raise ValueError(f"sampler.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.logprobs not in LOGPROBS:
+            raise ValueError(f"sampler.logprobs={self.logprobs!r}: expected one of {LOGPROBS}")
+        if self.keep_sampling_mask and self.logprobs != "processed":
+            raise ValueError(
+                "sampler.keep_sampling_mask=true renormalises π_old and π_θ over the top-p support, so the "
+                "sampler's log-probs must be too: set sampler.logprobs=processed"
+            )
 
 
 @dataclass
@@ -55,6 +81,7 @@ class Rollout:
     entropy_BR: entropy (nats) of each drawn token's distribution softmax(logits / T) (0 on pads).
     routing: the sampler's trace over the S - 1 positions it fed (prefill + each decode step), or None.
     texts: decoded responses without special tokens.
+    support: each response token's top-p support (sampler.keep_sampling_mask with top_p < 1), else None.
     """
 
     prompt_ids_BP: torch.Tensor
@@ -65,6 +92,7 @@ class Rollout:
     entropy_BR: torch.Tensor
     routing: RoutingTrace | None
     texts: list[str]
+    support: SamplingSupport | None = None
 
     @property
     def input_ids_BS(self) -> torch.Tensor:
@@ -86,8 +114,9 @@ def _draw(
     generator: torch.Generator,
     rows: slice = slice(None),
     total_rows: int | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draw one token per row from temperature-scaled, top-p-truncated logits, never a banned token.
+    Returns the tokens and the logits drawn from (−inf outside the nucleus; None when greedy).
 
     The noise is drawn for `total_rows` rows (default: these rows) and `rows` of it are used, so a row's
     draw does not depend on how the batch is split across processes.
@@ -96,7 +125,7 @@ def _draw(
     if banned:
         logits_BV = SuppressTokensLogitsProcessor(banned, device=logits_BV.device)(None, logits_BV)
     if cfg.temperature == 0:
-        return logits_BV.argmax(-1)
+        return logits_BV.argmax(-1), None
     logits_BV = logits_BV / cfg.temperature
     if cfg.top_p < 1:  # keep the smallest set of most likely tokens whose mass reaches top_p
         logits_BV = TopPLogitsWarper(cfg.top_p)(None, logits_BV)
@@ -104,7 +133,7 @@ def _draw(
     # Exponential race: argmax p / E with E ~ Exp(1) draws from p (one kernel, seeded, no multinomial).
     shape = (total_rows or probs_BV.shape[0], probs_BV.shape[1])
     noise_BV = probs_BV.new_empty(shape).exponential_(generator=generator)[rows]
-    return (probs_BV / noise_BV).argmax(-1)
+    return (probs_BV / noise_BV).argmax(-1), logits_BV
 
 
 @torch.no_grad()
@@ -144,6 +173,8 @@ def sample(
     entropy_BR = torch.zeros(B, R, dtype=torch.float32, device=device)
     alive_B = torch.ones(B, dtype=torch.bool, device=device)
     lengths_B = torch.zeros(B, dtype=torch.long, device=device)
+    truncating = cfg.top_p < 1 and cfg.temperature > 0  # the nucleus differs from the whole vocabulary
+    keeps: list[torch.Tensor] = []  # each step's [B, V] support (keep_sampling_mask)
     recording = controller.record(record_logits) if controller is not None else contextlib.nullcontext()
     with recording as rec:
         cache = DynamicCache(config=model.config)
@@ -159,11 +190,15 @@ def sample(
                 logits_to_keep=1,
             )
             logits_BV = out.logits[:, -1]
-            tok_B = _draw(logits_BV, cfg, banned, generator, rows, len(prompts))
+            tok_B, drawn_BV = _draw(logits_BV, cfg, banned, generator, rows, len(prompts))
             tok_B = torch.where(alive_B, tok_B, torch.full_like(tok_B, pad))
             tokens_BR[:, t] = tok_B
             logp_BV = torch.log_softmax(logits_BV.float() / (cfg.temperature or 1.0), dim=-1)
-            logp_BR[:, t] = torch.where(alive_B, logp_BV.gather(-1, tok_B[:, None]).squeeze(-1), 0.0)
+            # processed: over the nucleus (the drawn logits are z / T there, −inf elsewhere)
+            rec_BV = torch.log_softmax(drawn_BV, -1) if truncating and cfg.logprobs == "processed" else logp_BV
+            logp_BR[:, t] = torch.where(alive_B, rec_BV.gather(-1, tok_B[:, None]).squeeze(-1), 0.0)
+            if truncating and cfg.keep_sampling_mask:  # rows already done record none
+                keeps.append(torch.isfinite(drawn_BV) & alive_B[:, None])
             entropy_BR[:, t] = torch.where(alive_B, -(logp_BV.exp() * logp_BV).sum(-1), 0.0)
             lengths_B += alive_B.long()
             alive_B &= tok_B != eos
@@ -186,4 +221,5 @@ def sample(
         entropy_BR,
         rec.trace if rec is not None else None,
         texts,
+        SamplingSupport.from_steps(keeps, logits_BV.shape[-1]) if keeps else None,
     )

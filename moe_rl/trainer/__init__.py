@@ -37,6 +37,9 @@ finite metrics of the last step.
 | `rollout_is/ess`, `rollout_is/chi2` | with `objective.rollout_is` or `trainer.sampler_dtype`: normalised effective sample size (Σw)²/(B'Σw²) and χ² = mean w² − 1 of the per-sequence weights w_i = π_old(y_i)/π_sampler(y_i), per mini-batch pooled over ranks, mean over mini-batches |
 | `policy/opsm_masked_frac` | with `objective.opsm_delta`: fraction of response tokens off-policy sequence masking drops |
 | `policy/gate_weight/mean` | sapo, sapo_seq: mean gate gradient factor 4σ(1 − σ) (they log no `clip/*`) |
+| `router_shift/gamma/mean` | with `objective.router_shift`: 1/N Σ γ̃_it, the floored router-shift ratio the objective's ratio is multiplied by (moe_rl.objectives.router_shift); exactly 1 on the on-policy mini-batch |
+| `router_shift/gamma/min` | with `objective.router_shift`: min_it γ_it before the floor |
+| `router_shift/floored_frac` | with `objective.router_shift`: 1/N Σ [γ_it < router_shift_floor] |
 | `length/<lo>-<hi>/token_var` | ratios by response length within one step and one policy: over the sequences of mini-batches 2..M (every rank) whose response has n_i tokens (EOS included) with lo ≤ n_i ≤ hi, the population variance of their token ratios r_it (moe_rl.objectives notation), 1/N_bin Σ (r_it − mean r)², pooled over those mini-batches. Bins are fixed: `1-4`, `5-8`, `9-16`, `17-32`, ... up to the one holding `sampler.max_new_tokens` (`objectives.common.length_bins`), so keys never change within a run |
 | `length/<lo>-<hi>/within_seq_var` | the same sequences with n_i ≥ 2: mean over them of 1/n_i Σ_t (r_it − mean_t r_it)² |
 | `length/<lo>-<hi>/seq_var` | the same sequences: population variance of GSPO's length-normalised s_i, 1/B_bin Σ (s_i − mean s)² |

@@ -3,7 +3,7 @@
 One row per objective preset and replay source (taken from each run's summary.json, never from
 folder names), split further by any command-line override that differs between its runs (a swept
 `trainer.lr=...`; seeds never split a row, and a seed found twice counts once). Each cell is the mean over seeds ± the half-width of its 95% confidence interval
-(Student t with n - 1 degrees of freedom, n the seeds with a finite value; analysis.stats.mean_ci):
+(Student t with n - 1 degrees of freedom, n the seeds with a finite value; moe_rl.seed_stats.mean_ci):
 
 | column | from metrics.jsonl |
 |---|---|
@@ -27,6 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from moe_rl.seed_stats import mean_ci
 from moe_rl.trainer.logging import CorruptLogError, from_json_number, read_jsonl
 
 COLUMNS = (
@@ -162,8 +163,6 @@ def comparison(sweep_dir: Path) -> dict[str, dict[str, Any]]:
     """Per label: the seeds found, each column averaged over them, (under "ci95") each column's CI
     half-width, and per column the number of seeds whose value was finite (`n/<column>`): a NaN seed is
     left out of the mean, the CI and that count."""
-    from analysis.stats import mean_ci  # analysis imports this module at load time: import here, not above
-
     by_label: dict[str, list[dict[str, float]]] = defaultdict(list)
     seeds: dict[str, list[int]] = defaultdict(list)
     for label, summary, rows in read_runs(sweep_dir):

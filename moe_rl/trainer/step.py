@@ -34,10 +34,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from moe_rl.config import Config
 from moe_rl import stats as S
+from moe_rl.config import Config
 from moe_rl.objectives import OBJECTIVES, ObjectiveInputs, group_advantages
 from moe_rl.objectives.common import LENGTH_SUMS, length_bins, length_metrics, length_sums
+from moe_rl.objectives.router_shift import router_shift_ratio
 from moe_rl.rollout import Rollout, response_logprobs, response_logprobs_and_aux, sample
 from moe_rl.routing import (
     Drift,
@@ -49,6 +50,7 @@ from moe_rl.routing import (
     expert_change_fraction,
 )
 from moe_rl.tasks import Task
+from moe_rl.trainer.batch import Batch
 from moe_rl.trainer.collapse import CollapseDetector
 from moe_rl.trainer.distributed import Dist, minibatch_rows, reduce_metrics
 from moe_rl.trainer.perturb import drifting, noising, perturb_router_weights
@@ -63,41 +65,6 @@ from moe_rl.trainer.step_metrics import (
     rollout_metrics,
     routing_metrics,
 )
-
-
-@dataclass
-class Batch:
-    """A scored rollout in mini-batch order (rows permuted once, mini-batches are contiguous slices)."""
-
-    input_ids_BS: torch.Tensor
-    attention_mask_BS: torch.Tensor
-    response_mask_BR: torch.Tensor
-    valid_BS1: torch.Tensor  # positions a forward sees that hold real tokens predicting real tokens
-    adv_B: torch.Tensor
-    sampler_logp_BR: torch.Tensor
-    sampler_trace: RoutingTrace | None
-    rows_B: torch.Tensor | None = None
-    """Each row's index in the step's global rollout batch (what routing.logit_noise is keyed by)."""
-
-    @classmethod
-    def from_rollout(
-        cls, roll: Rollout, adv_B: torch.Tensor, perm_B: torch.Tensor, row_offset: int = 0
-    ) -> Batch:
-        """The rollout's rows in the order `perm_B`; this rank's rows start at global row `row_offset`."""
-        valid_BS = torch.cat([roll.prompt_mask_BP.bool(), roll.response_mask_BR], dim=1)
-        trace = roll.routing.rows(perm_B) if roll.routing is not None else None
-        return cls(
-            roll.input_ids_BS[perm_B],
-            roll.attention_mask_BS[perm_B],
-            roll.response_mask_BR[perm_B],
-            # A real token followed by a real token: a row's last token counts nowhere, however far the
-            # batch is padded after it (on one rank or split over several).
-            (valid_BS[:, :-1] & valid_BS[:, 1:])[perm_B],
-            adv_B[perm_B],
-            roll.logp_BR[perm_B],
-            trace,
-            perm_B + row_offset,
-        )
 
 
 @dataclass
@@ -221,6 +188,7 @@ def _old_policy(
                     batch.attention_mask_BS[sl],
                     R,
                     ctx.cfg.sampler.temperature or 1.0,
+                    batch.support_of(sl),
                 )
             )
         traces.append(rec.trace)
@@ -274,6 +242,7 @@ def _objective(
     logp_bR: torch.Tensor,
     old_logp_bR: torch.Tensor,
     ref_logp_bR: torch.Tensor | None,
+    router_shift_bR: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, S.Stats]:
     """The configured objective's (loss, stats) on mini-batch `sl`: the one registry lookup."""
     o = ctx.cfg.objective
@@ -300,8 +269,26 @@ def _objective(
         tau_pos=o.tau_pos,
         tau_neg=o.tau_neg,
         opsm_delta=o.opsm_delta,
+        router_shift=router_shift_bR,
     )
     return OBJECTIVES[o.name].compute(inputs)
+
+
+def _router_shift(
+    ctx: StepContext, batch: Batch, sl: slice, used: RoutingTrace, old_trace: RoutingTrace
+) -> tuple[torch.Tensor, S.Stats]:
+    """RSPO's γ̃ [b, R] of mini-batch `sl` from the routing traces, not a second forward: `used` holds this
+    update forward's live router logits, `old_trace` the old policy's. The old policy's *activated* experts
+    are its own top-k, or under R3 the sampler's it replayed."""
+    R = batch.response_mask_BR.shape[1]
+    activated = _sampler_trace(batch, sl) if ctx.cfg.routing.replay == "rollout" else old_trace
+    return router_shift_ratio(
+        used.router_logits_BTLE[:, -R:],  # the R positions that predict response tokens
+        old_trace.router_logits_BTLE[:, -R:],
+        activated.expert_ids_BTLK[:, -R:],
+        batch.response_mask_BR[sl],
+        ctx.cfg.objective.router_shift_floor,
+    )
 
 
 def _optimizer_step(ctx: StepContext, step: int, loss: torch.Tensor, minibatch: int = 0) -> float:
@@ -356,20 +343,25 @@ def _update(
     aux_coef = cfg.model.router_aux_loss_coef
     drift_ctx = drifting(ctx, step, minibatch)
     with (
-        ctx.controller.record(with_logits=minibatch == 1) as rec,  # mini-batch 2's logit shift
+        # mini-batch 2's logit shift; every mini-batch's under RSPO
+        ctx.controller.record(with_logits=minibatch == 1 or cfg.objective.router_shift) as rec,
         _replaying(ctx, replay),
         drift_ctx if drift_ctx is not None else contextlib.nullcontext() as drift,
         noising(ctx, step, batch, sl, "update", minibatch),
     ):
         logp_bR, aux_loss = response_logprobs_and_aux(
-            ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0
+            ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0, support=batch.support_of(sl)
         )
     change = _routing_change(ctx, batch, sl, rec.trace, old_trace, drift)
     ref_logp = None
     if ctx.ref_model is not None:
         with torch.no_grad():
             ref_logp = response_logprobs(ctx.ref_model, ids_bS, attn_bS, R, temperature)
-    loss, metrics = _objective(ctx, batch, sl, logp_bR, old_logp_bR, ref_logp)
+    shift_bR, shift_stats = None, {}
+    if cfg.objective.router_shift:
+        shift_bR, shift_stats = _router_shift(ctx, batch, sl, rec.trace, old_trace)
+    loss, metrics = _objective(ctx, batch, sl, logp_bR, old_logp_bR, ref_logp, shift_bR)
+    metrics.update(shift_stats)
     if minibatch > 0:  # the first mini-batch is on-policy: every ratio is 1 there
         bins = length_bins(cfg.sampler.max_new_tokens)
         change["length"] = length_sums(logp_bR, old_logp_bR, batch.response_mask_BR[sl], bins).flatten().tolist()

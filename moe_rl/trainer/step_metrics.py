@@ -19,10 +19,10 @@ from moe_rl.routing import (
     router_entropy,
     router_margins,
 )
+from moe_rl.trainer.batch import Batch
 
 if TYPE_CHECKING:
     from moe_rl.config import RoutingConfig
-    from moe_rl.trainer.step import Batch
 
 
 def finite_mean(values: list[float]) -> float:

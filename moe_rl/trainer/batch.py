@@ -1,0 +1,58 @@
+"""`Batch`: a scored rollout in mini-batch order, the value `step` and `step_metrics` both read.
+
+Its own module, so that `trainer/step.py` (which builds it) and `trainer/step_metrics.py` (which reads it)
+import it from here and not from each other.
+
+Shape legend: B rollout rows, S sequence (prompt P + response R), S1 = S - 1 positions a forward sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.rollout import Rollout, SamplingSupport
+from moe_rl.routing import RoutingTrace
+
+
+@dataclass
+class Batch:
+    """A scored rollout in mini-batch order (rows permuted once, mini-batches are contiguous slices)."""
+
+    input_ids_BS: torch.Tensor
+    attention_mask_BS: torch.Tensor
+    response_mask_BR: torch.Tensor
+    valid_BS1: torch.Tensor  # positions a forward sees that hold real tokens predicting real tokens
+    adv_B: torch.Tensor
+    sampler_logp_BR: torch.Tensor
+    sampler_trace: RoutingTrace | None
+    rows_B: torch.Tensor | None = None
+    """Each row's index in the step's global rollout batch (what routing.logit_noise is keyed by)."""
+    support: SamplingSupport | None = None
+    """Each response token's top-p support (sampler.keep_sampling_mask), else None."""
+
+    def support_of(self, sl: slice) -> SamplingSupport | None:
+        """The sampling support of mini-batch `sl`, which its old-policy and update forwards renormalise over."""
+        return None if self.support is None else self.support.rows(sl)
+
+    @classmethod
+    def from_rollout(
+        cls, roll: Rollout, adv_B: torch.Tensor, perm_B: torch.Tensor, row_offset: int = 0
+    ) -> Batch:
+        """The rollout's rows in the order `perm_B`; this rank's rows start at global row `row_offset`."""
+        valid_BS = torch.cat([roll.prompt_mask_BP.bool(), roll.response_mask_BR], dim=1)
+        trace = roll.routing.rows(perm_B) if roll.routing is not None else None
+        return cls(
+            roll.input_ids_BS[perm_B],
+            roll.attention_mask_BS[perm_B],
+            roll.response_mask_BR[perm_B],
+            # A real token followed by a real token: a row's last token counts nowhere, however far the
+            # batch is padded after it (on one rank or split over several).
+            (valid_BS[:, :-1] & valid_BS[:, 1:])[perm_B],
+            adv_B[perm_B],
+            roll.logp_BR[perm_B],
+            trace,
+            perm_B + row_offset,
+            roll.support.rows(perm_B.cpu()) if roll.support is not None else None,
+        )
