@@ -355,7 +355,7 @@ def _worker_pids(launcher: int) -> dict[int, int]:
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
 def test_failed_rank_ends_the_job_with_a_clear_error(tmp_path, warm_overrides, fault):
     """A rank killed (SIGKILL) or frozen (SIGSTOP) mid-run ends the whole job with a non-zero exit and an
-    error naming the failure, well within the 10 s collective timeout plus torchrun's shutdown grace."""
+    error naming the failure, well within the 3 s collective timeout plus torchrun's shutdown grace."""
     run_dir = tmp_path / fault
     proc = _torchrun(
         run_dir,
@@ -365,7 +365,7 @@ def test_failed_rank_ends_the_job_with_a_clear_error(tmp_path, warm_overrides, f
             *DP,
             "trainer.steps=1000",
             "trainer.checkpoint_every=0",
-            "trainer.dist_timeout_s=10",
+            "trainer.dist_timeout_s=3",
         ],
     )
     metrics = run_dir / "metrics.jsonl"
@@ -387,4 +387,4 @@ def test_failed_rank_ends_the_job_with_a_clear_error(tmp_path, warm_overrides, f
     if fault == "dies":
         assert "rank      : 1" in out and "SIGKILL" in out, out[-3000:]
     else:
-        assert "did not answer within trainer.dist_timeout_s=10" in out, out[-3000:]
+        assert "did not answer within trainer.dist_timeout_s=3" in out, out[-3000:]

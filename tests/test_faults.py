@@ -38,52 +38,74 @@ ENV = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
 STEPS = 6
 KILLS = 10
 
-CHILD = r"""
-import hashlib, io, os, signal, sys
+FORKSERVER = r"""
+# Imports moe-rl once, then forks one child per request line (a kill point and moe-rl-train's arguments):
+# each child is a fresh process as far as the run can tell, without paying the imports again. Nothing
+# here runs a torch op before forking, so no thread pool is forked.
+import hashlib, io, json, os, signal, sys, traceback
 import torch
-point, argv = sys.argv[1], sys.argv[2:]
-kind, _, arg = point.partition(":")
-at = int(arg.split(",")[0]) if arg else -1
-def die():
-    os.kill(os.getpid(), signal.SIGKILL)
 import moe_rl.trainer.checkpoint as ck
 import moe_rl.trainer.logging as lg
 import moe_rl.trainer.run as run
-if kind == "metrics":  # after step k's metrics line, or halfway through writing it
-    log = lg.LocalLog.log
-    def patched(self, s, metrics):
-        if s == at and arg.endswith("half"):
-            line = lg.to_json({"step": s, **metrics})
-            with self.metrics_path.open("a") as f:
-                f.write(line[: len(line) // 2])
-            die()
-        log(self, s, metrics)
-        if s == at:
-            die()
-    lg.LocalLog.log = patched
-elif kind == "ckpt":  # inside the write of the checkpoint after step k: a partial temp file, or between renames
-    save, frac = run.save_checkpoint, float(arg.split(",")[2]) if arg.count(",") == 2 else 0.5
-    def patched(run_dir, state):
-        if state["step"] != at + 1:
-            return save(run_dir, state)
-        buf = io.BytesIO(); torch.save(state, buf); payload = buf.getvalue()
-        data = ck.MAGIC + hashlib.sha256(payload).digest() + payload
-        if arg.split(",")[1] == "tmp":
-            (run_dir / ck.TMP).write_bytes(data[: int(len(data) * frac)]); die()
-        (run_dir / ck.TMP).write_bytes(data); os.replace(run_dir / ck.CHECKPOINT, run_dir / ck.PREVIOUS); die()
-    run.save_checkpoint = patched
-elif kind == "wandb":  # inside W&B's log of step k (its offline writer flushing)
-    log = lg.Wandb.log
-    def patched(self, metrics, step):
-        log(self, metrics, step=step)
-        if step == at:
-            die()
-    lg.Wandb.log = patched
-elif kind == "summary":  # after summary.json is written
-    run.NullWandb.summary = lambda self, values: die()
-sys.argv = ["moe-rl-train", *argv]
 from moe_rl.train import main
-main()
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def plant(point):
+    kind, _, arg = point.partition(":")
+    at = int(arg.split(",")[0]) if arg else -1
+    if kind == "metrics":  # after step k's metrics line, or halfway through writing it
+        log = lg.LocalLog.log
+        def patched(self, s, metrics):
+            if s == at and arg.endswith("half"):
+                line = lg.to_json({"step": s, **metrics})
+                with self.metrics_path.open("a") as f:
+                    f.write(line[: len(line) // 2])
+                die()
+            log(self, s, metrics)
+            if s == at:
+                die()
+        lg.LocalLog.log = patched
+    elif kind == "ckpt":  # inside the write of the checkpoint after step k: a partial temp file, or between renames
+        save, frac = run.save_checkpoint, float(arg.split(",")[2]) if arg.count(",") == 2 else 0.5
+        def patched(run_dir, state):
+            if state["step"] != at + 1:
+                return save(run_dir, state)
+            buf = io.BytesIO(); torch.save(state, buf); payload = buf.getvalue()
+            data = ck.MAGIC + hashlib.sha256(payload).digest() + payload
+            if arg.split(",")[1] == "tmp":
+                (run_dir / ck.TMP).write_bytes(data[: int(len(data) * frac)]); die()
+            (run_dir / ck.TMP).write_bytes(data); os.replace(run_dir / ck.CHECKPOINT, run_dir / ck.PREVIOUS); die()
+        run.save_checkpoint = patched
+    elif kind == "wandb":  # inside W&B's log of step k (its offline writer flushing)
+        log = lg.Wandb.log
+        def patched(self, metrics, step):
+            log(self, metrics, step=step)
+            if step == at:
+                die()
+        lg.Wandb.log = patched
+    elif kind == "summary":  # after summary.json is written
+        run.NullWandb.summary = lambda self, values: die()
+
+for line in sys.stdin:
+    point, log_path, argv = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1); os.dup2(fd, 2)
+        code = 0
+        try:
+            plant(point)
+            sys.argv = ["moe-rl-train", *argv]
+            main()
+        except SystemExit as err:
+            code = err.code if isinstance(err.code, int) else 1
+        except BaseException:
+            traceback.print_exc(); code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """
 
 
@@ -92,9 +114,27 @@ def _overrides(warm: list[str], run_dir: Path, *extra: str) -> list[str]:
             "logger.wandb=false", *extra, f"hydra.run.dir={run_dir}"]
 
 
-def _launch(point: str, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CHILD, point, *args], capture_output=True, text=True, timeout=600,
-                          cwd=REPO, env=ENV)
+class _Launcher:
+    """Runs moe-rl-train with a planted kill point in a fresh (forked) process; `returncode` as subprocess's."""
+
+    def __init__(self, logs: Path):
+        self.logs, self.n = logs, 0
+        logs.mkdir(parents=True, exist_ok=True)
+        self.server = subprocess.Popen([sys.executable, "-c", FORKSERVER], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+
+    def __call__(self, point: str, args: list[str]) -> subprocess.CompletedProcess:
+        self.n += 1
+        log = self.logs / f"{self.n}.log"
+        self.server.stdin.write(json.dumps([point, str(log), args]) + "\n")
+        self.server.stdin.flush()
+        code = self.server.stdout.readline()
+        assert code, "the fork server died"
+        return subprocess.CompletedProcess(args, int(code), "", log.read_text())
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -149,13 +189,14 @@ def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted_run(tmp_path,
     finally:
         torch.set_num_threads(threads)
     run_dir, seen = tmp_path / "killed", []
-    points = _kill_points()
+    points, launch = _kill_points(), _Launcher(tmp_path / "logs")
     for i, point in enumerate(points):
         extra = ["logger.wandb=true"] if point.startswith("wandb") else []
-        proc = _launch(point, _overrides(warm_overrides, run_dir, *extra, *(["resume=true"] if i else [])))
+        proc = launch(point, _overrides(warm_overrides, run_dir, *extra, *(["resume=true"] if i else [])))
         assert proc.returncode == -signal.SIGKILL, f"{point}: {proc.stderr[-2000:]}"
         seen.append(_seen(proc.stderr, tmp_path))
-    final = _launch("none", _overrides(warm_overrides, run_dir, "resume=true"))
+    final = launch("none", _overrides(warm_overrides, run_dir, "resume=true"))
+    launch.close()
     assert final.returncode == 0, final.stderr[-2000:]
     assert "already finished" in final.stderr
     assert _same_metrics(_rows(run_dir), _rows(tmp_path / "full"))
