@@ -355,10 +355,17 @@ def test_console_command_end_to_end_gspo(tmp_path, warm_overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["grpo", "grpo_rr", "grpo_r3", "gspo_token"])
-def test_console_command_end_to_end_presets(tmp_path, warm_overrides, preset):
-    """Every objective preset runs end to end through the console command with finite metrics."""
-    _check_run(_run_console(tmp_path, preset, [], warm_overrides))
+def test_console_command_end_to_end_presets(tmp_path, warm_overrides):
+    """The other core objective presets run end to end through the console command (one sweep, a job each)
+    with finite metrics and W&B offline files."""
+    presets, sweep = ["grpo", "grpo_rr", "grpo_r3", "gspo_token"], tmp_path / "sweep"
+    proc = subprocess.run(["moe-rl-train", "-m", f"objective={','.join(presets)}", *TINY, *warm_overrides,
+                           f"hydra.sweep.dir={sweep}"], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job, preset in enumerate(presets):
+        assert json.loads((sweep / str(job) / "summary.json").read_text())["objective"] == preset
+        _check_run(sweep / str(job))
 
 
 EVAL_KEYS = ("eval/accuracy", "eval/accuracy_greedy", "eval/expected_accuracy")
@@ -424,7 +431,7 @@ def test_killed_process_resumes_to_same_metrics(tmp_path, warm_overrides):
     """A console run SIGKILLed mid-way and resumed with resume=true logs what an uninterrupted run logs."""
     args = ["moe-rl-train", "objective=grpo", *TINY, *warm_overrides, "trainer.steps=5", "trainer.checkpoint_every=1",
             "logger.wandb=false"]
-    subprocess.run([*args, f"hydra.run.dir={tmp_path / 'full'}"], check=True, capture_output=True, timeout=600)
+    train(compose_config(args[1:]), tmp_path / "full")  # the reference, in this process (same thread count)
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([*args, f"hydra.run.dir={run_dir}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = run_dir / "metrics.jsonl"
