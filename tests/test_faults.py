@@ -331,7 +331,7 @@ class _Shell:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_unloadable_pretrained_folder_is_one_line(tmp_path, fault_report):
+def test_unloadable_pretrained_folder_is_one_line(tmp_path, monkeypatch, capsys, fault_report):
     """model.pretrained with a garbage config.json or model.safetensors exits 2 at start-up, and a pickled pytorch_model.bin exits 1 when it loads, each in one stderr line naming the folder; no pickle runs."""
     cases = {}
     bad = _pretrained_folder(tmp_path, "config")
@@ -344,16 +344,20 @@ def test_unloadable_pretrained_folder_is_one_line(tmp_path, fault_report):
     (bad / "model.safetensors").unlink()
     torch.save({"model.embed_tokens.weight": _Shell(tmp_path / "MARKER")}, bad / "pytorch_model.bin")
     cases["shell-command pickle as `pytorch_model.bin` in a `model.pretrained` folder"] = (bad, 1, "could not load the model")
-    procs = {what: subprocess.Popen([sys.executable, "-m", "moe_rl.train", f"model.pretrained={folder}",
-                                     "warmstart.enabled=false", "trainer.steps=1", "logger.wandb=false",
-                                     f"hydra.run.dir={tmp_path / ('run-' + folder.name)}"],
-                                    stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO, env=ENV)
-             for what, (folder, _, _) in cases.items()}
-    for what, proc in procs.items():
-        folder, code, says = cases[what]
-        err = proc.communicate(timeout=600)[1]
+    from moe_rl.train import main
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    capsys.readouterr()  # the saves' progress bars
+    for what, (folder, code, says) in cases.items():
+        monkeypatch.setattr(sys, "argv", ["moe-rl-train", f"model.pretrained={folder}", "warmstart.enabled=false",
+                                          "trainer.steps=1", "logger.wandb=false",
+                                          f"hydra.run.dir={tmp_path / ('run-' + folder.name)}"])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line]
-        assert proc.returncode == code and len(lines) == 1 and says in lines[0] and str(folder) in lines[0], (what, err)
+        assert exit_.value.code == code and len(lines) == 1 and says in lines[0] and str(folder) in lines[0], (what, err)
+        assert not (tmp_path / ("run-" + folder.name) / "metrics.jsonl").exists()
         fault_report(what, lines[0].replace(str(tmp_path), "DIR"), f"exit status {code}; nothing trained")
     assert not (tmp_path / "MARKER").exists()
 
