@@ -377,7 +377,7 @@ def test_silently_useless_config_is_refused_at_start_up(tmp_path, monkeypatch, c
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert exit_.value.code == 2 and len(lines) == 1 and says in lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    fault_report(f"`{override}`", lines[0], "exit status 2; nothing written but Hydra's .hydra/ record")
+    fault_report(f"`{override}`", lines[0], "exit status 2; no run files (metrics, checkpoints)")
 
 
 def _tool_run(folder: Path, seed: int, rewards: list[float]) -> None:
