@@ -122,7 +122,7 @@ def _weight_noise(ctx: StepContext, sigma: float, seed: int):
 
 
 def _noise(ctx: StepContext, batch: Batch, sl: slice, step: int, scale: float):
-    return lambda: ctx.controller.noise(step_noise(ctx, step, batch, sl, scale))
+    return lambda: ctx.controller.noise(step_noise(ctx.controller, ctx.cfg.seed, step, batch, sl, scale))
 
 
 def _compare(meas: _Measure, key, ref, got, resp_bS1, mask_bR) -> None:

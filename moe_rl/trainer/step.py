@@ -179,7 +179,7 @@ def _old_policy(
         with (
             ctx.controller.record(with_logits=True) as rec,
             _replaying(ctx, replay),
-            noising(ctx, step, batch, sl, "old"),
+            noising(ctx.cfg.routing, ctx.controller, ctx.cfg.seed, step, batch, sl, "old"),
         ):
             logps.append(
                 response_logprobs(
@@ -305,7 +305,7 @@ def _optimizer_step(ctx: StepContext, step: int, loss: torch.Tensor, minibatch: 
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     if math.isfinite(grad_norm):
         ctx.optimizer.step()
-        perturb_router_weights(ctx, step, minibatch)
+        perturb_router_weights(ctx.cfg.routing, ctx.controller, ctx.optimizer, ctx.cfg.seed, step, minibatch)
     else:
         ctx.detector.nonfinite(step, grad_norm, "train/grad_norm")
     ctx.optimizer.zero_grad(set_to_none=True)
@@ -341,13 +341,13 @@ def _update(
     ids_bS, attn_bS = batch.input_ids_BS[sl], batch.attention_mask_BS[sl]
     temperature = cfg.sampler.temperature or 1.0
     aux_coef = cfg.model.router_aux_loss_coef
-    drift_ctx = drifting(ctx, step, minibatch)
+    drift_ctx = drifting(ctx.cfg.routing, ctx.controller, ctx.cfg.seed, step, minibatch)
     with (
         # mini-batch 2's logit shift; every mini-batch's under RSPO
         ctx.controller.record(with_logits=minibatch == 1 or cfg.objective.router_shift) as rec,
         _replaying(ctx, replay),
         drift_ctx if drift_ctx is not None else contextlib.nullcontext() as drift,
-        noising(ctx, step, batch, sl, "update", minibatch),
+        noising(ctx.cfg.routing, ctx.controller, ctx.cfg.seed, step, batch, sl, "update", minibatch),
     ):
         logp_bR, aux_loss = response_logprobs_and_aux(
             ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0, support=batch.support_of(sl)
