@@ -25,21 +25,12 @@ import numpy as np
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from moe_rl.trainer.compare import BrokenRunError, read_run
+from moe_rl.trainer.compare import NOT_A_GROUP, NOT_A_GROUP_PREFIXES, BrokenRunError, read_run, splits_groups
 from moe_rl.trainer.logging import CorruptLogError, read_jsonl
 
-# Fields that never define a group: seeds are what we average over; the rest do not change the science.
-IGNORED = {
-    "seed",
-    "model.seed",
-    "warmstart.seed",
-    "resume",
-    "trainer.threads",
-    "trainer.device",
-    "trainer.checkpoint_every",
-    "warmstart.cache_dir",
-}
-IGNORED_PREFIXES = ("logger.", "hydra.", "_")
+# Fields that never define a group (the library's list, shared with moe-rl-compare's table).
+IGNORED = NOT_A_GROUP
+IGNORED_PREFIXES = NOT_A_GROUP_PREFIXES
 
 
 @dataclass
@@ -119,7 +110,8 @@ def find_run_dirs(sweep_dirs: Iterable[Path]) -> list[Path]:
     """Every folder under `sweep_dirs` (recursively, or the folder itself) with metrics.jsonl and summary.json.
 
     A folder with metrics.jsonl but no summary.json (a failed, killed or unfinished run), or with
-    summary.json but no metrics.jsonl, is skipped with a warning naming it. FileNotFoundError (one line) for a path that is not a folder.
+    summary.json but no metrics.jsonl, is skipped with a warning naming it. FileNotFoundError (one
+    line) for a path that is not a folder.
     """
     found: set[Path] = set()
     for root in sweep_dirs:
@@ -257,7 +249,7 @@ def varying_fields(runs: list[Run]) -> list[str]:
     varying: set[str] = set()
     for flats in by_base.values():
         for key in set().union(*flats):
-            if key in IGNORED or key.startswith(IGNORED_PREFIXES):
+            if not splits_groups(key):
                 continue
             if len({_hashable(f.get(key)) for f in flats}) > 1:
                 varying.add(key)

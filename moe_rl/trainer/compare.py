@@ -2,8 +2,9 @@
 
 One row per objective preset and replay source (taken from each run's summary.json, never from
 folder names), split further by any command-line override that differs between its runs (a swept
-`trainer.lr=...`; seeds never split a row, and a seed found twice counts once). Each cell is the mean over seeds ± the half-width of its 95% confidence interval
-(Student t with n - 1 degrees of freedom, n the seeds with a finite value; moe_rl.seed_stats.mean_ci):
+`trainer.lr=...`; seeds never split a row, and a seed found twice counts once). Each cell is the mean
+over seeds ± the half-width of its 95% confidence interval (Student t with n - 1 degrees of freedom, n
+the seeds with a finite value; moe_rl.seed_stats.mean_ci):
 
 | column | from metrics.jsonl |
 |---|---|
@@ -83,9 +84,18 @@ def run_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(d for d in found if ".hydra" not in d.parts)
 
 
-NOT_A_GROUP = ("seed=", "resume=", "resume_force=", "trainer.threads=", "trainer.device=", "trainer.checkpoint_every=",
-               "warmstart.cache_dir=", "logger.", "hydra.", "+logger.", "+hydra.")
-"""Command-line overrides that never split the table (what analysis.load.IGNORED leaves out)."""
+NOT_A_GROUP = frozenset({
+    "seed", "model.seed", "warmstart.seed", "resume", "resume_force", "trainer.threads", "trainer.device",
+    "trainer.checkpoint_every", "warmstart.cache_dir",
+})
+NOT_A_GROUP_PREFIXES = ("logger.", "hydra.", "_")
+"""Config fields that never split a row here or a group in analysis.load: seeds are what a row averages
+over; the rest (where a run ran, how it resumed and logged) do not change the science."""
+
+
+def splits_groups(field: str) -> bool:
+    """Whether runs differing in `field` (a dotted config key) belong in different rows and groups."""
+    return field not in NOT_A_GROUP and not field.startswith(NOT_A_GROUP_PREFIXES)
 
 
 def _overrides(run_dir: Path) -> tuple[str, ...]:
@@ -96,7 +106,7 @@ def _overrides(run_dir: Path) -> tuple[str, ...]:
     from omegaconf import OmegaConf
 
     listed = OmegaConf.to_container(OmegaConf.load(path))
-    return tuple(sorted(o for o in listed if isinstance(o, str) and not o.lstrip("~+").startswith(NOT_A_GROUP)))
+    return tuple(sorted(o for o in listed if isinstance(o, str) and splits_groups(o.lstrip("~+").split("=", 1)[0])))
 
 
 def read_runs(sweep_dir: Path) -> list[tuple[str, dict, list[dict]]]:
