@@ -164,8 +164,9 @@ class TrainerConfig:
     """Linear learning-rate warmup, in optimizer steps."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; null turns clipping off (the norm before clipping is
+    logged either way: train/grad_norm, and how often and how much clipping acted)."""
     checkpoint_every: int = 10
     """Save a checkpoint every N RL steps (and at the end); 0 = only at the end."""
     threads: int = 0
@@ -379,8 +380,8 @@ class Config:
             )
         if t.lr <= 0:
             raise ValueError(f"trainer.lr={t.lr}: must be > 0")
-        if t.grad_clip <= 0:
-            raise ValueError(f"trainer.grad_clip={t.grad_clip}: must be > 0")
+        if t.grad_clip is not None and not t.grad_clip > 0:
+            raise ValueError(f"trainer.grad_clip={t.grad_clip}: must be > 0, or null for no clipping")
         if t.checkpoint_every < 0 or t.warmup_steps < 0 or t.threads < 0:
             raise ValueError(
                 "trainer.checkpoint_every, trainer.warmup_steps and trainer.threads must be >= 0"

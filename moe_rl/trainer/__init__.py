@@ -45,6 +45,8 @@ finite metrics of the last step.
 | `length/<lo>-<hi>/seq_var` | the same sequences: population variance of GSPO's length-normalised s_i, 1/B_bin Σ (s_i − mean s)² |
 | `length/<lo>-<hi>/seqs`, `length/<lo>-<hi>/tokens` | how many sequences (B_bin) and tokens (N_bin) the bin's statistics are over, to weight means over steps. An empty bin logs 0 here and NaN in the three variances (never 0); with one mini-batch every bin is empty |
 | `train/loss`, `train/grad_norm` | mean over mini-batches (grad norm before clipping) |
+| `train/grad_norm/max` | the largest gradient norm before clipping among the step's mini-batches |
+| `train/grad_clipped_frac`, `train/grad_clip_scale` | the fraction of the step's updates that `trainer.grad_clip` scaled down, and the mean scale min(1, clip / norm) it applied (1 with `trainer.grad_clip=null`). AdamW divides a constant gradient scale out of its update, so the scale says how much clipping reweights updates, not the step size. Skipped, non-finite updates count in neither |
 | `train/lr` | learning rate after the step |
 | `train/aux_loss` | the family's load-balancing loss of the update forward, mean over mini-batches (only when `model.router_aux_loss_coef` > 0; the loss adds coef x this) |
 | `routing/expert_change/frac` | mean over mini-batches 2..M of 1 - \\|A∩B\\|/K: the routing the current policy's update forward uses absent replay (A: its free top-k, or the drifted one under `routing.drift`) vs the old policy's (B) on the same tokens, before that mini-batch's update; over all valid positions, prompt included |

@@ -301,7 +301,8 @@ def _optimizer_step(ctx: StepContext, step: int, loss: torch.Tensor, minibatch: 
         ctx.detector.nonfinite(step, loss_sum / ctx.dist.world, "train/loss")
         return math.nan
     ctx.dist.collective(loss.backward)  # DDP and FSDP reduce gradients across ranks in backward
-    norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.cfg.trainer.grad_clip)
+    clip = ctx.cfg.trainer.grad_clip
+    norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), math.inf if clip is None else clip)
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     if math.isfinite(grad_norm):
         ctx.optimizer.step()
@@ -370,8 +371,22 @@ def _update(
         metrics["train/aux_loss"] = S.scalar(aux_loss.item())
     loss = loss * loss_scale
     metrics["train/loss"] = S.scalar(loss.item())
-    metrics["train/grad_norm"] = S.scalar(_optimizer_step(ctx, step, loss, minibatch))
+    metrics.update(_grad_metrics(_optimizer_step(ctx, step, loss, minibatch), cfg.trainer.grad_clip))
     return S.Finished(metrics), change
+
+
+def _grad_metrics(grad_norm: float, clip: float | None) -> S.Stats:
+    """The gradient norm before clipping (mean and max over mini-batches), the fraction of updates that
+    clipping scaled down, and the scale min(1, clip / norm) it applied (1 without clipping). A skipped,
+    non-finite update counts in neither the clipped fraction nor the scale."""
+    finite = math.isfinite(grad_norm)
+    scale = 1.0 if clip is None or not finite else min(1.0, clip / max(grad_norm, 1e-12))
+    return {
+        "train/grad_norm": S.scalar(grad_norm),
+        "train/grad_norm/max": S.Stat("max", (grad_norm if finite else math.nan,)),
+        "train/grad_clipped_frac": S.Stat("mean", (float(scale < 1.0), 1.0) if finite else (0.0, 0.0)),
+        "train/grad_clip_scale": S.Stat("mean", (scale, 1.0) if finite else (0.0, 0.0)),
+    }
 
 
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
