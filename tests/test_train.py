@@ -77,6 +77,7 @@ INVALID = [
     ("sampler.max_new_tokens=2", "sampler.max_new_tokens"),
     ("trainer.sampler_dtype=bfloat16 trainer.reuse_sampler_logp=true", "trainer.reuse_sampler_logp"),
     ("routing.drift=1.5", "routing.drift"),
+    ("trainer.grad_clip=0", "trainer.grad_clip"),
     ("routing.drift=nan", "routing.drift"),
     ("routing.drift_from_minibatch=0", "routing.drift_from_minibatch"),
     ("trainer.group_minibatches=true trainer.prompts_per_step=6", "trainer.group_minibatches"),
@@ -197,6 +198,26 @@ def test_router_aux_loss_is_added_and_logged():
     aux = out[0.05]["train/aux_loss"]
     assert aux > 0.5  # the Switch loss is about top_k for balanced routing
     assert out[0.05]["train/loss"] == pytest.approx(out[0.0]["train/loss"] + 0.05 * aux, abs=1e-6)
+
+
+def test_grad_clip_null_turns_clipping_off_and_the_clip_metrics_say_how_much_it_acted():
+    """With the same rollouts and gradients, trainer.grad_clip=null takes the unclipped step (parameters
+    move by more than under a tiny clip), logs scale 1 and clipped fraction 0; a clip far below the norm
+    clips every update by clip / norm; the pre-clip norm is the same either way."""
+    out = {}
+    for clip in ("null", "1e-3"):
+        ctx, batch, slices, old_logps, old_traces = _step_parts("off", extra=(f"trainer.grad_clip={clip}",))
+        before = [p.detach().clone() for p in ctx.model.parameters()]
+        m, _ = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
+        moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(ctx.model.parameters(), before, strict=True))
+        out[clip] = (m, moved)
+    (off, moved_off), (tiny, moved_tiny) = out["null"], out["1e-3"]
+    assert off["train/grad_norm"] == pytest.approx(tiny["train/grad_norm"], rel=1e-6) and off["train/grad_norm"] > 1e-2
+    assert off["train/grad_norm/max"] == off["train/grad_norm"]
+    assert (off["train/grad_clipped_frac"], off["train/grad_clip_scale"]) == (0.0, 1.0)
+    assert tiny["train/grad_clipped_frac"] == 1.0
+    assert tiny["train/grad_clip_scale"] == pytest.approx(1e-3 / tiny["train/grad_norm"], rel=1e-9)
+    assert moved_off > moved_tiny > 0
 
 
 def _first_step(overrides: list[str]) -> tuple[dict, object]:
@@ -490,9 +511,13 @@ def test_reuse_sampler_logp_skips_old_forward_and_matches_it():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _options("experiment"))
 def test_every_experiment_runs_two_steps(tmp_path, name):
-    """Every experiment config composes and runs two RL steps at a tiny size."""
+    """Every experiment config composes and runs two RL steps at a tiny size. A part whose config equals its
+    ablation's (it changes only the sweep, e.g. the replay arm's objective) is covered by that run."""
     tiny = ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.mini_batches=2",
             "model.num_layers=1", "logger.progress=false", "logger.wandb=false", "warmstart.enabled=false", "eval.size=8",
             "eval.expected_size=8", "eval.at_start=false"]
-    summary = train(compose_config([f"+experiment={name}", *tiny]), tmp_path / name)
+    cfg = compose_config([f"+experiment={name}", *tiny])
+    if "__" in name and cfg == compose_config([f"+experiment={name.split('__')[0]}", *tiny]):
+        pytest.skip(f"{name} differs from its ablation's config only in the sweep")
+    summary = train(cfg, tmp_path / name)
     assert summary["steps_done"] == 2 and summary["experiment"] == name.split("__")[0]
