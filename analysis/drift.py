@@ -1,19 +1,26 @@
-"""The drift dose-response: outcome against measured expert change when `routing.drift` is swept.
+"""The dose-response: outcome against measured expert change when a routing perturbation is swept.
 
-One row per objective arm (base label) and drift p. Per run:
+The dose is `routing.logit_noise` (σ: router-logit noise, re-routing at the margins, the faithful
+instrument) or `routing.drift` (p: expert dropout), whichever the sweep varies (DOSE_FIELDS). One row
+per objective arm (base label) and dose. Per run:
 
 | quantity | per run |
 |---|---|
-| expert change | mean over steps of `routing/expert_change/response_frac`: the change the update forwards saw, injected drift included (x of the phase diagram) |
+| expert change | mean over steps of `routing/expert_change/response_frac`: the change the update forwards saw, the injected perturbation included |
+| change after one update | mean over steps of `routing/expert_change/after_one_update` (mini-batch 2 against the old policy: the paper's per-update quantity; x of the phase diagram, falling back to expert change for runs without it) |
 | final eval acc | `eval/accuracy` of the last row that has it |
+| final greedy acc | `eval/accuracy_greedy` of the last row that has it |
+| extreme weight share | mean over steps of `policy/extreme_weight_share` (the gradient weight that extreme ratios carry) |
+| grad norm, updates clipped | means over steps of `train/grad_norm` (before clipping) and `train/grad_clipped_frac` (the share of updates gradient clipping scaled down) |
 | collapsed | any collapse event (`collapse/events` > 0 at the last step); the kinds come from events.jsonl |
 | token-ratio var, clip frac | means over steps of `ratio/token/var`, `clip/token_frac` |
 
 Cells are mean ± 95% t-CI over seeds; the collapse rate carries its 95% Wilson interval.
 
-Replay arms (routing.replay ≠ off) ignore drift: replay wins, and the same seed gives bitwise-identical
-runs at every p (tests/test_train.py). Their runs at one p therefore stand for every p; the table
-compares each drifting arm at each p with the first replay arm (the reference): the eval-accuracy
+Replay arms (routing.replay ≠ off) ignore the dose: replay wins, and the same seed gives bitwise-identical
+runs at every dose (tests/test_train.py). Their runs at one dose therefore stand for every dose; the table
+compares each perturbed arm at each dose with the replay arm of the same setting (the reference: the
+same values of every other field the sweep varies, such as trainer.grad_clip): the eval-accuracy
 difference, paired by seed when both cells ran the same seeds (a seed's warm start and eval set are
 shared by every arm, so pairing removes the between-seed spread; `paired_t`), else Welch's; the
 collapse-rate difference with its Newcombe CI and permutation p-value; a verdict in words
@@ -25,8 +32,10 @@ The dose trend: within each seed, the least-squares slope of the outcome (final 
 the reference's at that seed; and the expected-acc AUC, where logged) on the run's measured expert
 change, per 10 percentage points of change; then a one-sample t-test over the seeds' slopes
 (`slope_over_seeds`). A seed's runs share its warm start, eval set and reference, so they are not
-independent: the seed, not the run, is the unit. The phase diagram draws the reference as a
-horizontal band across the whole x range. table.json keeps every seed's values and slopes.
+independent: the seed, not the run, is the unit. The phase diagram plots the primary outcome (the
+expected-acc AUC where logged, else final eval accuracy), its paired difference to the reference and the
+collapse rate against the change after one update, the reference as a horizontal band across the
+whole x range. table.json keeps every seed's values and slopes.
 """
 
 from __future__ import annotations
@@ -43,22 +52,30 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from analysis.figures import BAND, _colors, _finish  # noqa: E402
-from analysis.load import Run  # noqa: E402
+from analysis.load import Run, group_label, varying_fields  # noqa: E402
 from analysis.outcomes import auc, format_regression, has_expected, regression_test  # noqa: E402
 from analysis.pairs import collapsed, final_eval, outcome_difference  # noqa: E402
 from analysis.stats import mean_ci, rate_difference, slope_over_seeds, verdict, wilson  # noqa: E402
-from moe_rl.trainer.compare import run_row  # noqa: E402
+from moe_rl.trainer.compare import last_value, run_row  # noqa: E402
 
 FIELD = "routing.drift"
+DOSE_FIELDS = {"routing.logit_noise": "σ", "routing.drift": "p"}
+"""The swept perturbations a dose table is drawn for, with the symbol of their dose."""
 PAPER_CHANGE = 0.10
 """The GSPO paper's ~10% of activated experts changing per update (48-layer Qwen3-30B-A3B, section 5.3)."""
 
 Groups = dict[str, list[Run]]
 CAPTION = (
-    "Final held-out eval accuracy (left) and collapse rate (right) against the measured expert change per "
-    "update, one line per drifting arm (points labelled with their drift p), the replay arm as a dashed "
-    "line with its band; the dotted line marks the GSPO paper's ~10%."
+    "The primary outcome (left: expected-accuracy AUC where logged, else final held-out eval accuracy), its "
+    "paired difference to the replay arm (middle) and the collapse rate (right) against the measured expert "
+    "change after one update, one line per perturbed arm (points labelled with their dose), the replay arm "
+    "as a dashed line with its band; the dotted line marks the GSPO paper's ~10%."
 )
+
+
+def dose_field(fields: list[str]) -> str | None:
+    """The perturbation this sweep varies (the first of DOSE_FIELDS among `fields`), or None."""
+    return next((f for f in DOSE_FIELDS if f in fields), None)
 
 
 def _kinds(runs: list[Run]) -> dict[str, int] | None:
@@ -83,41 +100,85 @@ def _is_replay(runs: list[Run]) -> bool:
     return runs[0].config["routing"]["replay"] != "off"
 
 
-def dose_table(groups: Groups, permutations: int = 10_000) -> list[dict[str, Any]]:
-    """One dict per (arm, p), arms in group order, p ascending: seeds, the module's quantities (mean, CI
-    half, n), collapsed seeds with their Wilson interval and kinds, and `vs_reference` (None for the
-    reference arm itself or when no replay arm ran)."""
-    by_arm: dict[str, dict[float, list[Run]]] = {}
-    for runs in groups.values():
-        by_arm.setdefault(runs[0].base_label, {})[float(runs[0].flat[FIELD])] = runs
-    reference = next((arm for arm, cells in by_arm.items() if _is_replay(next(iter(cells.values())))), None)
-    ref_runs = [r for cell in by_arm.get(reference, {}).values() for r in cell]
+def _arms(groups: Groups, field: str | None) -> tuple[str, dict[str, tuple[tuple, dict[float, list[Run]]]]]:
+    """The dose field (`field`, or the one the groups' runs vary, else routing.drift) and: arm label ->
+    (its setting, {dose: runs}). An arm is the base label plus every other field the sweep varies (grad
+    clip, lr, ...), so a sweep that crosses the dose with other fields gets one dose line per arm and
+    setting; its setting (those fields' values) picks the replay reference it is compared with."""
+    runs = [r for g in groups.values() for r in g]
+    fields = varying_fields(runs)
+    field = field or dose_field(fields) or FIELD
+    other = [f for f in fields if f != field]
+    arms: dict[str, tuple[tuple, dict[float, list[Run]]]] = {}
+    for g in groups.values():
+        label = group_label(g[0], other)
+        setting = tuple(repr(g[0].flat.get(f)) for f in other)
+        arms.setdefault(label, (setting, {}))[1].setdefault(float(g[0].flat[field]), []).extend(g)
+    return field, arms
+
+
+def _references(arms: dict[str, tuple[tuple, dict[float, list[Run]]]]) -> dict[tuple, str]:
+    """Setting -> the first replay arm with that setting."""
+    refs: dict[tuple, str] = {}
+    for arm, (setting, cells) in arms.items():
+        if _is_replay(next(iter(cells.values()))):
+            refs.setdefault(setting, arm)
+    return refs
+
+
+def dose_table(groups: Groups, permutations: int = 10_000, field: str | None = None) -> list[dict[str, Any]]:
+    """One dict per (arm, dose of `field`), arms in group order, doses ascending: seeds, the module's
+    quantities (mean, CI half, n), collapsed seeds with their Wilson interval and kinds, and
+    `vs_reference` (None for a replay arm itself, or when no replay arm ran with the arm's setting)."""
+    field, arms = _arms(groups, field)
+    refs = _references(arms)
     out = []
-    for arm, cells in by_arm.items():
+    for arm, (setting, cells) in arms.items():
+        reference = refs.get(setting)
+        ref_runs = [r for cell in arms[reference][1].values() for r in cell] if reference else []
         for p in sorted(cells):
             runs = cells[p]
             rows = [run_row(r.rows) for r in runs]
             k, n = sum(collapsed(r) for r in runs), len(runs)
             per_seed = {
                 "seed": [r.seed for r in runs], "expert change": [x["expert change"] for x in rows],
-                "final eval acc": [final_eval(r) for r in runs], "token-ratio var": [x["token-ratio var"] for x in rows],
+                "change after one update": [_after_one(r) for r in runs],
+                "final eval acc": [final_eval(r) for r in runs],
+                "final greedy acc": [last_value(r.rows, "eval/accuracy_greedy") for r in runs],
+                "extreme weight share": [_mean_of(r, "policy/extreme_weight_share") for r in runs],
+                "grad norm": [_mean_of(r, "train/grad_norm") for r in runs],
+                "updates clipped": [_mean_of(r, "train/grad_clipped_frac") for r in runs],
+                "token-ratio var": [x["token-ratio var"] for x in rows],
                 "clip frac": [x["clip frac"] for x in rows], "expected-acc AUC": [auc(r) for r in runs],
                 "collapsed": [collapsed(r) for r in runs],
             }  # fmt: skip
             row = {
-                "arm": arm, "drift": p, "seeds": per_seed["seed"], "replay": _is_replay(runs),
+                "arm": arm, "field": field, "dose": p, "seeds": per_seed["seed"], "replay": _is_replay(runs),
                 **{q: mean_ci(per_seed[q]) for q in QUANTITIES},
                 "collapsed": k, "collapse wilson": wilson(k, n), "kinds": _kinds(runs),
                 "outcome collapsed": _outcome_collapsed(runs),
-                "vs_reference": None, "per_seed": per_seed,
+                "reference": reference, "vs_reference": None, "per_seed": per_seed,
             }  # fmt: skip
-            if reference is not None and arm != reference:
+            if reference is not None and not row["replay"]:
                 row["vs_reference"] = _versus(runs, ref_runs, permutations)
             out.append(row)
     return out
 
 
-QUANTITIES = ("expert change", "final eval acc", "token-ratio var", "clip frac", "expected-acc AUC")
+QUANTITIES = ("expert change", "change after one update", "final eval acc", "final greedy acc", "token-ratio var",
+              "clip frac", "extreme weight share", "grad norm", "updates clipped", "expected-acc AUC")
+
+
+def _mean_of(run: Run, key: str) -> float:
+    """Mean over the run's rows of a per-step metric (its finite values); nan when none has it."""
+    values = [float(r[key]) for r in run.rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    return float(np.mean(values)) if values else math.nan
+
+
+def _after_one(run: Run) -> float:
+    """Mean `routing/expert_change/after_one_update`, or the run's mean expert change without it."""
+    value = _mean_of(run, "routing/expert_change/after_one_update")
+    return value if math.isfinite(value) else run_row(run.rows)["expert change"]
 
 
 def _one_per_seed(runs: list[Run]) -> list[Run]:
@@ -128,24 +189,21 @@ def _one_per_seed(runs: list[Run]) -> list[Run]:
     return list(first.values())
 
 
-def dose_trend(groups: Groups) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per drifting arm and outcome ("final eval acc", and "expected-acc AUC" where logged): the mean over
-    seeds of each seed's slope of (outcome - the reference's, same seed) on measured expert change, per 10
-    percentage points, with a one-sample t-test over those slopes: {"slope": Difference (n = seeds),
+def dose_trend(groups: Groups, field: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per perturbed arm and outcome ("final eval acc", and "expected-acc AUC" where logged): the mean over
+    seeds of each seed's slope of (outcome - the reference's, same seed) on the measured change after one
+    update, per 10 percentage points, with a one-sample t-test over those slopes: {"slope": Difference (n = seeds),
     "per_seed": {seed: slope}}. Only seeds the reference ran count. Subtracting the reference shifts a
     seed's points without changing its slope; it keeps the y axis that of the dose table's differences."""
-    arms: dict[str, list[Run]] = {}
-    for runs in groups.values():
-        arms.setdefault(runs[0].base_label, []).extend(runs)
-    reference = next((arm for arm, runs in arms.items() if _is_replay(runs)), None)
-    if reference is None:
-        return {}
-    ref_runs = _one_per_seed(arms[reference])
-    outcomes = {"final eval acc": final_eval, **({"expected-acc AUC": auc} if has_expected(ref_runs) else {})}
+    field, arms = _arms(groups, field)
+    refs = _references(arms)
     out = {}
-    for arm, runs in arms.items():
-        if _is_replay(runs):
+    for arm, (setting, cells) in arms.items():
+        runs = [r for cell in cells.values() for r in cell]
+        if _is_replay(runs) or setting not in refs:
             continue
+        ref_runs = _one_per_seed([r for cell in arms[refs[setting]][1].values() for r in cell])
+        outcomes = {"final eval acc": final_eval, **({"expected-acc AUC": auc} if has_expected(ref_runs) else {})}
         out[arm] = {}
         for name, outcome in outcomes.items():
             ref = {r.seed: outcome(r) for r in ref_runs}
@@ -153,7 +211,7 @@ def dose_trend(groups: Groups) -> dict[str, dict[str, dict[str, Any]]]:
             y: dict[int, list[float]] = {}
             for r in runs:
                 if r.seed in ref:
-                    x.setdefault(r.seed, []).append(run_row(r.rows)["expert change"] / 0.1)
+                    x.setdefault(r.seed, []).append(_after_one(r) / 0.1)
                     y.setdefault(r.seed, []).append(outcome(r) - ref[r.seed])
             slope, per_seed = slope_over_seeds(x, y)
             out[arm][name] = {"slope": slope, "per_seed": per_seed}
@@ -214,63 +272,65 @@ def _fmt_diff(d) -> str:
     return f"{d.diff:+.3f}{ci}{p}"
 
 
+def _dose_name(table: list[dict[str, Any]]) -> str:
+    """The dose column's header: "logit noise σ" or "drift p"."""
+    field = table[0]["field"] if table else FIELD
+    return f"{field.split('.', 1)[1].replace('_', ' ')} {DOSE_FIELDS.get(field, '')}".strip()
+
+
 def format_dose(table: list[dict[str, Any]]) -> str:
-    """Markdown: one line per (arm, p), then the comparison with the replay reference."""
-    reference = next((r["arm"] for r in table if r["replay"]), None)
+    """Markdown: one line per (arm, dose), then the comparison with the replay reference (the primary
+    outcome, the expected-acc AUC, first where logged)."""
+    references = list(dict.fromkeys(r["reference"] for r in table if r["reference"]))
+    reference = ", ".join(f"**{a}**" for a in references) or None
+    dose = _dose_name(table)
+    expected = any(r["expected-acc AUC"].n for r in table)
     lines = [
-        "| arm | drift p | seeds | expert change | final eval acc | collapsed seeds (Wilson 95%) | kinds (seeds) "
-        "| token-ratio var | clip frac |",
-        "|---" * 9 + "|",
+        f"| arm | {dose} | seeds | change after one update | expert change (update forwards) "
+        + ("| expected-acc AUC " if expected else "")
+        + "| final eval acc | final greedy acc | collapsed seeds (Wilson 95%) | kinds (seeds) | token-ratio var "
+        "| clip frac | extreme weight share | grad norm | updates clipped |",
+        "|---" * (15 if expected else 14) + "|",
     ]
     for r in table:
         lo, hi = r["collapse wilson"]
         kinds = "unknown" if r["kinds"] is None else ", ".join(f"{k}: {v}" for k, v in sorted(r["kinds"].items()))
         lines.append(
-            f"| {r['arm']} | {r['drift']:g}" + (" (any: replay wins)" if r["replay"] else "")
-            + f" | {len(r['seeds'])} | {_pct(r['expert change'])} | {r['final eval acc'].format()} "
+            f"| {r['arm']} | {r['dose']:g}" + (" (any: replay wins)" if r["replay"] else "")
+            + f" | {len(r['seeds'])} | {_pct(r['change after one update'])} | {_pct(r['expert change'])} "
+            + (f"| {r['expected-acc AUC'].format(3)} " if expected else "")
+            + f"| {r['final eval acc'].format()} | {r['final greedy acc'].format()} "
             f"| {r['collapsed']}/{len(r['seeds'])} [{lo:.2f}, {hi:.2f}] | {kinds or '–'} "
-            f"| {r['token-ratio var'].format(3)} | {r['clip frac'].format(3)} |"
+            f"| {r['token-ratio var'].format(3)} | {r['clip frac'].format(3)} | {r['extreme weight share'].format(3)} "
+            f"| {r['grad norm'].format(3)} | {r['updates clipped'].format(2)} |"
         )
     if reference is None:
         return "\n".join(lines)
     lines += [
         "",
-        f"Against the replay reference **{reference}** (its runs stand for every p): difference in final eval "
-        "accuracy (95% CI and p of a paired t-test over seeds, or Welch's when the seeds differ) and in "
-        "collapse rate (Newcombe 95% CI, permutation p).",
+        f"Against the replay reference with the same setting ({reference}; its runs stand for every dose): differences (95% CI and "
+        "p of a paired t-test over seeds, or Welch's when the seeds differ) in the expected-acc AUC (where "
+        "logged: the primary outcome) and in final eval accuracy; the log-rank test of time to sustained "
+        "regression (below 0.8 x the pre-update expected accuracy at two evals in a row); the collapse-rate "
+        "difference (Newcombe 95% CI, permutation p).",
         "",
-        "| arm | drift p | Δ eval acc | verdict | Δ collapse rate | verdict |",
-        "|---" * 6 + "|",
+        f"| arm | {dose} | " + ("Δ expected-acc AUC | verdict | time to regression | " if expected else "")
+        + "Δ eval acc | verdict | Δ collapse rate | verdict |",
+        "|---" * (9 if expected else 6) + "|",
     ]
     for r in table:
         v = r["vs_reference"]
-        if v is not None:
-            lines.append(
-                f"| {r['arm']} | {r['drift']:g} | {_fmt_diff(v['acc'])} | {v['acc verdict']} "
-                f"| {_fmt_diff(v['rate'])} | {v['rate verdict']} |"
-            )
-    return "\n".join(lines + _expected_lines(table, reference))
-
-
-def _expected_lines(table: list[dict[str, Any]], reference: str) -> list[str]:
-    """The expected-accuracy outcomes per cell against the reference; none when no run logged them."""
-    if not any(r["expected-acc AUC"].n for r in table):
-        return []
-    lines = [
-        "",
-        f"Expected accuracy (analysis.outcomes): each cell's AUC (mean teacher-forced expected accuracy over "
-        f"training), its difference to **{reference}** (paired by seed), and the log-rank test of time to "
-        "sustained regression (below 0.8 x the pre-update value at two evals in a row) against the reference.",
-        "",
-        "| arm | drift p | expected-acc AUC | Δ AUC | verdict | time to regression |",
-        "|---" * 6 + "|",
-    ]
-    for r in table:
-        v = r["vs_reference"]
-        cells = ("reference", "", "") if v is None or v["auc"] is None else (
-            _fmt_diff(v["auc"]), v["auc verdict"], format_regression(v["regression"]))
-        lines.append(f"| {r['arm']} | {r['drift']:g} | {r['expected-acc AUC'].format(3)} | " + " | ".join(cells) + " |")
-    return lines
+        if v is None:
+            continue
+        auc_cells = ""
+        if expected:
+            auc_cells = ("n/a | | | " if v["auc"] is None else
+                         f"{_fmt_diff(v['auc'])} | {v['auc verdict']} | {format_regression(v['regression'])} | ")
+        lines.append(
+            f"| {r['arm']} | {r['dose']:g} | {auc_cells}{_fmt_diff(v['acc'])} | {v['acc verdict']} "
+            f"| {_fmt_diff(v['rate'])} | {v['rate verdict']} |"
+        )
+    return "\n".join(lines)
 
 
 def _pct(ci) -> str:
@@ -281,53 +341,64 @@ def _pct(ci) -> str:
 
 
 def plot_phase_diagram(groups: Groups, table: list[dict[str, Any]], out_dir: Path) -> Path:
-    """Against measured expert change (log x): final eval accuracy, its paired difference to the replay
-    reference, and the collapse rate (any event; dotted: reward, entropy or non-finite events only), one
-    line per drifting arm with its band; the reference as a horizontal band; the paper's ~10%."""
+    """Against the measured change after one update (log x): the primary outcome (expected-acc AUC where
+    logged, else final eval accuracy), its paired difference to the replay reference, and the collapse
+    rate (any event; dotted: reward, entropy or non-finite events only), one line per perturbed arm with
+    its band; the reference as a horizontal band; the paper's ~10%."""
+    expected = any(r["expected-acc AUC"].n for r in table)
+    outcome, diff_key = ("expected-acc AUC", "auc") if expected else ("final eval acc", "acc")
+    x_key = "change after one update"
     colors = _colors({r["arm"]: None for r in table})
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    xs = [r["expert change"].mean for r in table if math.isfinite(r["expert change"].mean)]
+    xs = [r[x_key].mean for r in table if math.isfinite(r[x_key].mean) and r[x_key].mean > 0]
     x_lo, x_hi = min([0.005, *xs]) / 1.3, max([0.2, *xs]) * 1.3
     for arm in dict.fromkeys(r["arm"] for r in table):
         rows = [r for r in table if r["arm"] == arm]
-        acc = _band(rows, lambda r: (r["final eval acc"].mean, r["final eval acc"].lo, r["final eval acc"].hi))
+        acc = _band(rows, lambda r: (r[outcome].mean, r[outcome].lo, r[outcome].hi))
         rate = _band(rows, lambda r: (r["collapsed"] / len(r["seeds"]), *r["collapse wilson"]))
         color = colors[arm]
         if rows[0]["replay"]:
-            label = f"{arm}: any drift (replay wins)"
+            label = f"{arm}: any dose (replay wins)"
             for ax, (m, lo, hi) in zip(axes, (acc[0], (0.0, 0.0, 0.0), rate[0]), strict=True):
                 ax.axhline(m, color=color, linestyle="--", label=label)
                 ax.axhspan(lo, hi, color=color, alpha=0.12, linewidth=0)
             continue
-        x = np.array([r["expert change"].mean for r in rows])
-        diff = _band(rows, lambda r: (r["vs_reference"]["acc"].diff, r["vs_reference"]["acc"].lo,
-                                      r["vs_reference"]["acc"].hi) if r["vs_reference"] else (math.nan,) * 3)
+        x = np.array([r[x_key].mean for r in rows])
+
+        def versus(r: dict[str, Any]) -> tuple[float, float, float]:
+            d = (r["vs_reference"] or {}).get(diff_key)
+            return (d.diff, d.lo, d.hi) if d is not None else (math.nan,) * 3
+
+        diff = _band(rows, versus)
         for ax, y in zip(axes, (acc, diff, rate), strict=True):
             ax.plot(x, y[:, 0], color=color, marker="o", label=arm)
             ax.fill_between(x, y[:, 1], y[:, 2], color=color, alpha=0.2, linewidth=0)
-        outcome = [r["outcome collapsed"] for r in rows]
-        if all(k is not None for k in outcome):
-            axes[2].plot(x, [k / len(r["seeds"]) for k, r in zip(outcome, rows, strict=True)], color=color,
+        kinds = [r["outcome collapsed"] for r in rows]
+        if all(k is not None for k in kinds):
+            axes[2].plot(x, [k / len(r["seeds"]) for k, r in zip(kinds, rows, strict=True)], color=color,
                          linestyle=":", marker="x", label=f"{arm}: reward, entropy or non-finite events only")
-    ylabels = ("final held-out eval accuracy", "Δ final eval accuracy vs the replay arm\n(same seed; paired 95% CI)",
+    name = "expected-accuracy AUC (mean over training)" if expected else "final held-out eval accuracy"
+    ylabels = (name, f"Δ {name.split(' (')[0]} vs the replay arm\n(same seed; paired 95% CI)",
                "collapse rate (seeds with an event)")
     for ax, ylabel in zip(axes, ylabels, strict=True):
         ax.set_xscale("log")
         ax.set_xlim(x_lo, x_hi)
         ax.axvline(PAPER_CHANGE, color="grey", linestyle=":", label="GSPO paper: ~10% per update")
-        ax.set_xlabel("measured expert change per update (response tokens, log scale)")
+        ax.set_xlabel("measured expert change after one update (log scale)")
         ax.set_ylabel(ylabel)
         ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{100 * v:g}%"))
+    axes[1].axhline(0.0, color="black", linewidth=0.8)
     axes[2].set_ylim(-0.02, 1.02)
+    symbol = DOSE_FIELDS.get(table[0]["field"], "dose") if table else "dose"
     doses: dict[float, list[float]] = {}
     for r in table:
-        if not r["replay"] and math.isfinite(r["expert change"].mean):
-            doses.setdefault(r["drift"], []).append(r["expert change"].mean)
-    for p, x in doses.items():  # each injected p at the mean change its arms measured
-        axes[0].annotate(f"p={p:g}", (float(np.mean(x)), 1), xytext=(0, -10), textcoords="offset points",
+        if not r["replay"] and math.isfinite(r[x_key].mean):
+            doses.setdefault(r["dose"], []).append(r[x_key].mean)
+    for p, x in doses.items():  # each injected dose at the mean change its arms measured
+        axes[0].annotate(f"{symbol}={p:g}", (float(np.mean(x)), 1), xytext=(0, -10), textcoords="offset points",
                          xycoords=("data", "axes fraction"), fontsize="x-small", color="grey", ha="center")
     return _finish(fig, axes, out_dir / "phase_diagram.png",
-                   f"Drift dose-response (bands: accuracy {BAND}; collapse rate Wilson 95%)")
+                   f"Dose-response, {_dose_name(table)} (bands: outcome {BAND}; collapse rate Wilson 95%)")
 
 
 def _band(rows: list[dict[str, Any]], stats) -> np.ndarray:

@@ -40,7 +40,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis import drift
+from analysis import critical, drift
 from analysis.figures import BAND, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.outcomes import CAPTION as outcomes_caption
@@ -175,19 +175,26 @@ def write_report(
         format_pairs(pairs),
     )
     by_field = {f: collapse_by_field(runs, f) for f in fields}
-    dose = drift.dose_table(groups, permutations) if drift.FIELD in fields else None
+    dose_field = drift.dose_field(fields)
+    dose = drift.dose_table(groups, permutations, dose_field) if dose_field else None
     if dose is not None:
-        trend = drift.dose_trend(groups)
+        trend = drift.dose_trend(groups, dose_field)
         dose_md = drift.format_dose(dose) + "\n\nDose trend:\n\n" + drift.format_trend(trend)
         (out_dir / "dose_table.md").write_text(dose_md + "\n")
         figures = {"phase_diagram": (drift.plot_phase_diagram(groups, dose, out_dir), drift.CAPTION), **figures}
+    crit = critical.critical_lr(runs, fields, dose_field)
+    crit_md = critical.format_critical(crit, dose_field) if crit else ""
+    if crit:
+        (out_dir / "critical_lr.md").write_text(crit_md + "\n")
+        figures = {**figures, "critical_lr": (critical.plot_critical(crit, out_dir), critical.CAPTION)}
     (out_dir / "summary_table.md").write_text(summary_md + "\n")
     (out_dir / "collapse_table.md").write_text("\n\n".join([collapse_md, *by_field.values()]) + "\n")
     (out_dir / "pairs_table.md").write_text(pairs_md + "\n")
     (out_dir / "table.json").write_text(
         json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs,
                     **({"dose": drift.dose_json(dose), "dose_trend": drift.trend_json(trend)} if dose is not None else {}),
-                    **({"outcomes": outcomes} if outcomes else {})}, indent=2)
+                    **({"outcomes": outcomes} if outcomes else {}),
+                    **({"critical_lr": critical.critical_json(crit)} if crit else {})}, indent=2)
     )
 
     names = short_names(fields)
@@ -218,7 +225,8 @@ def write_report(
         "## Collapse",
         collapse_md,
         *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in by_field.items()),
-        *(["## Drift dose-response", drift.__doc__.split("\n\n", 1)[1].strip(), dose_md] if dose else []),
+        *(["## Dose-response", drift.__doc__.split("\n\n", 1)[1].strip(), dose_md] if dose else []),
+        *(["## Critical step size", critical.__doc__.split("\n\n", 1)[1].strip(), crit_md] if crit else []),
         "## Pairwise differences",
         pairs_md,
         "## Figures",

@@ -192,7 +192,7 @@ def _drift_run(root: Path, preset: str, seed: int, drift: float, acc: float, cha
     config["routing"]["drift"] = drift
     rows = _metrics([0.1, 0.1], collapse_last=float(events))
     for row in rows:
-        row["routing/expert_change/response_frac"] = change
+        row["routing/expert_change/response_frac"] = row["routing/expert_change/after_one_update"] = change
     rows[-1]["eval/accuracy"] = acc
     kinds = [{"step": 1, "kind": "ratio_blowup", "value": 2e3, "threshold": 1e3}] * events
     _write_run(root / f"{preset}-{drift}-{seed}", config, rows, kinds)
@@ -211,7 +211,7 @@ def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagra
         _drift_run(root, "grpo", seed, 0.2, 0.30 + 0.01 * (2 * seed % 5), 0.12, 1)
     runs = load_local([root], progress=False)
     table = dose_table(group_runs(runs), permutations=1000)
-    assert [(r["arm"], r["drift"]) for r in table] == [
+    assert [(r["arm"], r["dose"]) for r in table] == [
         ("grpo (replay=off)", 0.0), ("grpo (replay=off)", 0.2), ("grpo_rr (replay=old)", 0.0)]
     low, high, ref = table
     assert ref["vs_reference"] is None and ref["replay"]
@@ -233,7 +233,7 @@ def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagra
     assert slope.p == pytest.approx(sps.ttest_1samp(list(hand.values()), 0.0).pvalue, rel=1e-9)
     out = tmp_path / "report"
     text = write_report(runs, out, "drift", [str(root)], permutations=1000).read_text()
-    assert "## Drift dose-response" in text and "(any: replay wins)" in text
+    assert "## Dose-response" in text and "(any: replay wins)" in text and "| arm | drift p |" in text
     assert (out / "phase_diagram.png").read_bytes()[:8] == PNG_MAGIC
     assert "phase_diagram.png" in text and (out / "dose_table.md").exists()
     saved = json.loads((out / "table.json").read_text())
@@ -242,6 +242,45 @@ def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagra
     assert saved["dose"][1]["per_seed"]["final eval acc"] == pytest.approx([0.30 + 0.01 * (2 * s % 5) for s in range(5)])
     assert saved["dose_trend"]["grpo (replay=off)"]["final eval acc"]["per_seed"] == pytest.approx(
         {str(k): v for k, v in hand.items()}, rel=1e-9)
+
+
+def test_logit_noise_sweep_is_a_dose_table_on_the_change_after_one_update(tmp_path):
+    """With routing.logit_noise swept, the dose table is drawn for σ: its x (the dose trend's and the phase
+    diagram's) is the change after one update, and it carries greedy accuracy and the extreme-weight share."""
+    from analysis.drift import dose_field, dose_table, dose_trend, format_dose
+
+    root = tmp_path / "sweep"
+    for seed in range(5):
+        for preset, sigma, acc, after_one in (("grpo_rr", 0.0, 0.6, 0.002), ("grpo", 0.0, 0.6, 0.002),
+                                              ("grpo", 0.4, 0.4, 0.12)):  # fmt: skip
+            config = _config(preset, seed, 1e-4)
+            config["routing"]["logit_noise"] = sigma
+            rows = _metrics([0.1, 0.1])
+            for i, row in enumerate(rows):
+                row["routing/expert_change/response_frac"] = 2 * after_one  # later mini-batches see more
+                row["routing/expert_change/after_one_update"] = after_one
+                row["policy/extreme_weight_share"] = 0.1 * i if sigma else 0.0
+            rows[-1]["eval/accuracy"], rows[-1]["eval/accuracy_greedy"] = acc + 0.01 * seed, acc
+            _write_run(root / f"{preset}-{sigma}-{seed}", config, rows, [])
+    runs = load_local([root], progress=False)
+    fields = varying_fields(runs)
+    assert dose_field(fields) == "routing.logit_noise"
+    table = dose_table(group_runs(runs, fields), permutations=100, field="routing.logit_noise")
+    assert [(r["arm"], r["field"], r["dose"]) for r in table] == [
+        ("grpo (replay=off)", "routing.logit_noise", 0.0), ("grpo (replay=off)", "routing.logit_noise", 0.4),
+        ("grpo_rr (replay=old)", "routing.logit_noise", 0.0)]
+    high = table[1]
+    assert high["change after one update"].mean == pytest.approx(0.12)
+    assert high["expert change"].mean == pytest.approx(0.24)
+    assert high["final greedy acc"].mean == pytest.approx(0.4)
+    assert high["extreme weight share"].mean == pytest.approx(0.05)  # mean over steps of 0.0 and 0.1
+    assert high["vs_reference"]["acc"].diff == pytest.approx(-0.2)
+    slope = dose_trend(group_runs(runs, fields))["grpo (replay=off)"]["final eval acc"]["slope"]
+    assert slope.diff == pytest.approx(-0.2 / (1.2 - 0.02))  # per 10 points of change after one update
+    assert "| arm | logit noise σ |" in format_dose(table)
+    out = tmp_path / "report"
+    text = write_report(runs, out, "noise", [str(root)], permutations=100).read_text()
+    assert "## Dose-response" in text and (out / "phase_diagram.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_cli_needs_exactly_one_source(tmp_path):
@@ -436,4 +475,5 @@ def test_drift_report_adds_expected_accuracy_auc_regression_and_per_seed_trend(t
     trend = dose_trend(groups)["grpo (replay=off)"]["expected-acc AUC"]
     assert trend["slope"].n_a == 5 and trend["slope"].diff < 0
     text = format_dose([low, high, ref])
-    assert "| expected-acc AUC | Δ AUC |" in text and "regressed 5/5 vs 0/5" in text
+    assert "| expected-acc AUC |" in text and "| Δ expected-acc AUC | verdict | time to regression |" in text
+    assert "regressed 5/5 vs 0/5" in text
