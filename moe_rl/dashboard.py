@@ -101,6 +101,9 @@ LENGTH_WITHIN_VAR = Panel(
 )
 LENGTH_SEQ_VAR = Panel("sequence-ratio variance by response length", regex=r"^length/\d+-\d+/seq_var$", log_y=True)
 LENGTH_SEQS = Panel("sequences per length bin", regex=r"^length/\d+-\d+/seqs$")
+GRAD = Panel("gradient norm before clipping", ("train/grad_norm", "train/grad_norm/max"), log_y=True)
+GRAD_CLIP = Panel("updates clipped, and the scale clipping applied", ("train/grad_clipped_frac", "train/grad_clip_scale"))
+EXTREME_SHARE = Panel("gradient weight carried by extreme ratios", ("policy/extreme_weight_share",))
 THROUGHPUT = Panel("throughput (tokens/s)", ("throughput/tokens_per_s", "throughput/sampler_tokens_per_s"))
 
 SECTIONS = (
@@ -111,7 +114,8 @@ SECTIONS = (
     Section("routing volatility", (CHANGE, CHANGE_RESPONSE, CHANGE_LAYERS, ROLLOUT_VS_OLD, MARGINS, PREDICTED,
                                    LOGIT_SHIFT)),
     Section("mismatch", (LOGP_DIFF, ROLLOUT_VS_OLD)),
-    Section("collapse", (EVENTS_BY_KIND, EVENTS, ENTROPY)),
+    Section("collapse", (EVENTS_BY_KIND, EVENTS, ENTROPY, EXTREME_SHARE)),
+    Section("gradients", (GRAD, GRAD_CLIP)),
     Section("time and throughput", (STAGES, THROUGHPUT)),
 )
 
@@ -145,6 +149,15 @@ REPORTS = (
     ReportSpec("drift_dose", "Drift dose-response: stability against injected routing drift (claim 1)",
                ("objective.preset", "routing.replay", "routing.drift"),
                (EVAL, EVENTS_BY_KIND, CHANGE_RESPONSE, TOKEN_VAR, EXTREMES, SEQ_EXTREMES)),
+    ReportSpec("noise_dose", "Noise dose-response: claim 1 under router-logit noise, over 150 steps",
+               ("objective.preset", "routing.replay", "routing.logit_noise"),
+               (EVAL, EVENTS_BY_KIND, CHANGE, EXTREME_SHARE, TOKEN_VAR, EXTREMES, SEQ_EXTREMES)),
+    ReportSpec("safety_nets", "Safety nets off: gradient clipping and dual-clip under router-logit noise",
+               ("objective.preset", "routing.replay", "routing.logit_noise", "trainer.grad_clip"),
+               (EVAL, GRAD, GRAD_CLIP, KL, EVENTS_BY_KIND, EXTREMES)),
+    ReportSpec("critical_lr", "Critical step size: regression against lr, with and without router-logit noise",
+               ("objective.preset", "routing.replay", "routing.logit_noise", "trainer.lr"),
+               (EVAL, EVENTS_BY_KIND, KL, CHANGE)),
 )  # fmt: skip
 
 

@@ -113,7 +113,8 @@ def test_specs_serialise_with_wandb_workspaces():
             for c in s["panels"]]
     assert logs == [p["log_y"] for p in panels]
     assert [s["name"] for s in dump["spec"]["section"]["panelBankConfig"]["sections"]] == [
-        "learning", "clipping", "ratios", "routing volatility", "mismatch", "collapse", "time and throughput"]
+        "learning", "clipping", "ratios", "routing volatility", "mismatch", "collapse", "gradients",
+        "time and throughput"]
     (runset,) = dump["spec"]["section"]["runSets"]
     assert [g["name"] for g in runset["grouping"]] == ["objective.value.preset", "routing.value.replay"]
     assert {(f["key"]["name"], f["value"]) for f in runset["filters"]["filters"]} == {
