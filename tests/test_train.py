@@ -5,7 +5,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
