@@ -35,7 +35,7 @@ import numpy as np
 from scipy import special
 from scipy import stats as sps
 
-from analysis.load import Run, short_names
+from analysis.load import Run, group_label
 from analysis.outcomes import regression_time
 from analysis.stats import LEVEL, wilson
 
@@ -131,9 +131,11 @@ def critical_lr(runs: list[Run], fields: list[str], dose_field: str | None) -> d
     lrs = sorted({float(r.flat[LR]) for r, _ in known}) if LR in fields else []
     if len(lrs) < MIN_LRS:
         return None
-    cells = list(dict.fromkeys(_cell(r, fields) for r, _ in known))
-    index = {c: i for i, c in enumerate(cells)}
-    X = np.zeros((len(known), len(cells) + 1))
+    first = {}  # cell -> its first run, which names it
+    for r, _ in known:
+        first.setdefault(_cell(r, fields), r)
+    index = {c: i for i, c in enumerate(first)}
+    X = np.zeros((len(known), len(index) + 1))
     y = np.zeros(len(known))
     for n, (r, event) in enumerate(known):
         X[n, index[_cell(r, fields)]] = 1.0
@@ -143,11 +145,7 @@ def critical_lr(runs: list[Run], fields: list[str], dose_field: str | None) -> d
     X[:, -1] -= m
     fit = firth_logistic(X, y)
     b = fit.beta[-1]
-    names = short_names(fields)
-
-    def name(cell: tuple[str, tuple]) -> str:
-        arm, rest = cell
-        return " ".join([arm, *(f"{names[f]}={v}" for f, v in rest)])
+    others = [f for f in fields if f != LR]
 
     def log_lr_star(i: int) -> Estimate:
         grad = np.zeros_like(fit.beta)
@@ -164,7 +162,7 @@ def critical_lr(runs: list[Run], fields: list[str], dose_field: str | None) -> d
         by_lr = {lr: [e for r, e in known if _cell(r, fields) == cell and float(r.flat[LR]) == lr] for lr in lrs}
         star = log_lr_star(i)
         table.append({
-            "cell": name(cell), "arm": cell[0], "regressed_by_lr": {lr: (sum(v), len(v)) for lr, v in by_lr.items()},
+            "cell": group_label(first[cell], others), "arm": cell[0], "regressed_by_lr": {lr: (sum(v), len(v)) for lr, v in by_lr.items()},
             "lr_star": star, "extrapolated": not lrs[0] <= 10**star.log10 <= lrs[-1],
             "intercept": float(fit.beta[i] - b * m),  # on the uncentred log10 lr
         })  # fmt: skip
@@ -177,8 +175,8 @@ def critical_lr(runs: list[Run], fields: list[str], dose_field: str | None) -> d
             base = (cell[0], tuple((f, 0.0 if f == dose_field else v) for f, v in cell[1]))
             if base in index:
                 value, grad = shift(i, index[base])
-                shifts.append({"arm": cell[0], "dose": float(rest[dose_field]), "cells": (i, index[base]),
-                               "shift": _wald(value, grad, fit.cov), "grad": grad})  # fmt: skip
+                shifts.append({"arm": cell[0], "dose": float(rest[dose_field]), "shift": _wald(value, grad, fit.cov),
+                               "grad": grad})  # fmt: skip
     interactions = []
     for a_i, a in enumerate(shifts):
         for c in shifts[a_i + 1 :]:
@@ -186,9 +184,9 @@ def critical_lr(runs: list[Run], fields: list[str], dose_field: str | None) -> d
                 value = a["shift"].log10 - c["shift"].log10
                 interactions.append({"a": a["arm"], "b": c["arm"], "dose": a["dose"],
                                      "difference": _wald(value, a["grad"] - c["grad"], fit.cov)})  # fmt: skip
-    return {"lrs": lrs, "slope": float(b), "centre": m, "converged": fit.converged, "runs": len(known), "cells": table,
-            "shifts": [{k: v for k, v in s.items() if k not in ("grad", "cells")} for s in shifts],
-            "interactions": interactions, "fit": fit}  # fmt: skip
+    return {"lrs": lrs, "slope": float(b), "converged": fit.converged, "runs": len(known), "cells": table,
+            "shifts": [{k: v for k, v in s.items() if k != "grad"} for s in shifts],
+            "interactions": interactions}  # fmt: skip
 
 
 def format_critical(result: dict[str, Any], dose_field: str | None) -> str:
@@ -231,7 +229,7 @@ def critical_json(result: dict[str, Any]) -> dict[str, Any]:
         return {"log10": e.log10, "lo": e.lo, "hi": e.hi, "p": e.p}
 
     return {
-        "lrs": result["lrs"], "slope": result["slope"], "centre": result["centre"], "converged": result["converged"], "runs": result["runs"],
+        "lrs": result["lrs"], "slope": result["slope"], "converged": result["converged"], "runs": result["runs"],
         "cells": [{**{k: v for k, v in c.items() if k not in ("lr_star", "regressed_by_lr")}, "lr_star": est(c["lr_star"]),
                    "regressed_by_lr": {str(k): list(v) for k, v in c["regressed_by_lr"].items()}} for c in result["cells"]],
         "shifts": [{**{k: v for k, v in s.items() if k != "shift"}, "shift": est(s["shift"])} for s in result["shifts"]],

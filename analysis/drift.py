@@ -51,7 +51,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from analysis.figures import BAND, _colors, _finish  # noqa: E402
+from analysis.figures import BAND, _colors, _finish, finite_mean  # noqa: E402
 from analysis.load import Run, group_label, varying_fields  # noqa: E402
 from analysis.outcomes import auc, format_regression, has_expected, regression_test  # noqa: E402
 from analysis.pairs import collapsed, final_eval, outcome_difference  # noqa: E402
@@ -171,8 +171,7 @@ QUANTITIES = ("expert change", "change after one update", "final eval acc", "fin
 
 def _mean_of(run: Run, key: str) -> float:
     """Mean over the run's rows of a per-step metric (its finite values); nan when none has it."""
-    values = [float(r[key]) for r in run.rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
-    return float(np.mean(values)) if values else math.nan
+    return finite_mean(run.series(key))
 
 
 def _after_one(run: Run) -> float:
