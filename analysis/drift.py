@@ -73,8 +73,12 @@ CAPTION = (
 )
 
 
-def dose_field(fields: list[str]) -> str | None:
-    """The perturbation this sweep varies (the first of DOSE_FIELDS among `fields`), or None."""
+def dose_field(fields: list[str], runs: list[Run] = ()) -> str | None:
+    """The perturbation this sweep varies (the first of DOSE_FIELDS among `fields`), or None; None too when
+    some run perturbs the trainer's forwards (`routing.noise_scope=trainer`), where R2 is not immune and the
+    replay arm is no reference (analysis.offpolicy reads such sweeps)."""
+    if any(r.flat.get("routing.noise_scope") == "trainer" and r.flat.get("routing.logit_noise") for r in runs):
+        return None
     return next((f for f in DOSE_FIELDS if f in fields), None)
 
 

@@ -40,7 +40,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis import critical, drift
+from analysis import critical, drift, offpolicy
 from analysis.figures import BAND, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.outcomes import CAPTION as outcomes_caption
@@ -175,7 +175,7 @@ def write_report(
         format_pairs(pairs),
     )
     by_field = {f: collapse_by_field(runs, f) for f in fields}
-    dose_field = drift.dose_field(fields)
+    dose_field = drift.dose_field(fields, runs)
     dose = drift.dose_table(groups, permutations, dose_field) if dose_field else None
     if dose is not None:
         trend = drift.dose_trend(groups, dose_field)
@@ -187,6 +187,11 @@ def write_report(
     if crit:
         (out_dir / "critical_lr.md").write_text(crit_md + "\n")
         figures = {**figures, "critical_lr": (critical.plot_critical(crit, out_dir), critical.CAPTION)}
+    off = (offpolicy.offpolicy_table(runs), offpolicy.offpolicy_trends(runs)) if offpolicy.applies(runs) else None
+    off_md = offpolicy.format_offpolicy(*off) if off else ""
+    if off:
+        (out_dir / "offpolicy.md").write_text(off_md + "\n")
+        figures = {"offpolicy": (offpolicy.plot_offpolicy(off[0], out_dir), offpolicy.CAPTION), **figures}
     (out_dir / "summary_table.md").write_text(summary_md + "\n")
     (out_dir / "collapse_table.md").write_text("\n\n".join([collapse_md, *by_field.values()]) + "\n")
     (out_dir / "pairs_table.md").write_text(pairs_md + "\n")
@@ -194,7 +199,8 @@ def write_report(
         json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs,
                     **({"dose": drift.dose_json(dose), "dose_trend": drift.trend_json(trend)} if dose is not None else {}),
                     **({"outcomes": outcomes} if outcomes else {}),
-                    **({"critical_lr": critical.critical_json(crit)} if crit else {})}, indent=2)
+                    **({"critical_lr": critical.critical_json(crit)} if crit else {}),
+                    **({"offpolicy": offpolicy.offpolicy_json(*off)} if off else {})}, indent=2)
     )
 
     names = short_names(fields)
@@ -227,6 +233,7 @@ def write_report(
         *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in by_field.items()),
         *(["## Dose-response", drift.__doc__.split("\n\n", 1)[1].strip(), dose_md] if dose else []),
         *(["## Critical step size", critical.__doc__.split("\n\n", 1)[1].strip(), crit_md] if crit else []),
+        *(["## Replay against off-policiness", offpolicy.__doc__.split("\n\n", 1)[1].strip(), off_md] if off else []),
         "## Pairwise differences",
         pairs_md,
         "## Figures",
