@@ -158,6 +158,16 @@ REPORTS = (
     ReportSpec("critical_lr", "Critical step size: regression against lr, with and without router-logit noise",
                ("objective.preset", "routing.replay", "routing.logit_noise", "trainer.lr"),
                (EVAL, EVENTS_BY_KIND, KL, CHANGE)),
+    ReportSpec("safety_nets_long", "Safety nets off on the long-response task, under router-logit noise",
+               (*GROUPBY, "trainer.grad_clip"), (EVAL, GRAD, GRAD_CLIP, KL, EVENTS_BY_KIND, EXTREMES, SEQ_EXTREMES)),
+    ReportSpec("natural_balanced", "Natural volatility with balanced fine-grained routers: change, KL and learning",
+               ("model.num_experts", "model.num_layers", "model.router_aux_loss_coef", "trainer.lr",
+                "trainer.mini_batches"), (CHANGE, CHANGE_RESPONSE, KL, PREDICTED, MARGINS, EVAL)),
+    ReportSpec("stability_natural", "Claim 1 in the natural regime of balanced 128-expert routers, over 150 steps",
+               GROUPBY, (EVAL, EVENTS_BY_KIND, CHANGE, KL, EXTREME_SHARE, EXTREMES)),
+    ReportSpec("replay_offpolicy", "R2 vs R3 vs off-policiness (arXiv 2512.01374): mismatch source x mini-batches",
+               (*GROUPBY, "trainer.sampler_dtype", "routing.logit_noise", "trainer.mini_batches"),
+               (EVAL, LOGP_DIFF, ROLLOUT_VS_OLD, KL, EVENTS_BY_KIND, EXTREMES, STAGES)),
 )  # fmt: skip
 
 
