@@ -261,9 +261,10 @@ def plot_critical(result: dict[str, Any], out_dir: Path) -> Path:
         color = cmap(k % 10)
         counts = [row["regressed_by_lr"][lr] for lr in result["lrs"]]
         rate = np.array([r / n if n else np.nan for r, n in counts])
-        lo, hi = np.array([wilson(r, n) for r, n in counts]).T
+        lo, hi = np.array([wilson(r, n) if n else (np.nan, np.nan) for r, n in counts]).T  # a cell may skip an lr
         jitter = 10 ** (0.015 * (k - len(result["cells"]) / 2))
-        ax.errorbar(lrs * jitter, rate, yerr=[rate - lo, hi - rate], color=color, fmt="o", capsize=2, label=row["cell"])
+        yerr = np.clip([rate - lo, hi - rate], 0, None)  # Wilson's bound at 0/n or n/n can miss by rounding
+        ax.errorbar(lrs * jitter, rate, yerr=yerr, color=color, fmt="o", capsize=2, label=row["cell"])
         ax.plot(grid, special.expit(row["intercept"] + result["slope"] * np.log10(grid)), color=color, alpha=0.7)
         ax.axvline(10 ** row["lr_star"].log10, color=color, linestyle=":", linewidth=1)
     ax.set(xscale="log", xlabel="learning rate (log scale)", ylabel="seeds with sustained regression", ylim=(-0.03, 1.03))

@@ -24,6 +24,10 @@ Collapse table: per group, the number of seeds with at least one collapse event 
 kinds (from events.jsonl; unknown for W&B runs). When config fields vary, a second table per field
 gives collapsed seeds / seeds for each value and base label.
 
+Volatility and step size (only when some run logged `routing/expert_change/after_one_update`): per
+group the means over steps of the change after one update, the change the router margins predict and
+the per-update KL (STEP_COLUMNS), each mean ± 95% CI over seeds.
+
 Expected accuracy over training (analysis.outcomes; only when some run logged
 `eval/expected_accuracy`): per group the mean AUC of the expected-accuracy curve with its CI, and the
 seeds with a sustained regression and when.
@@ -41,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis import critical, drift, offpolicy
-from analysis.figures import BAND, write_figures
+from analysis.figures import BAND, finite_mean, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.outcomes import CAPTION as outcomes_caption
 from analysis.outcomes import format_outcomes, has_expected, outcomes_table, plot_expected_accuracy
@@ -126,6 +130,43 @@ def format_summary(table: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + f"\n\nCells: {CI_NOTE}."
 
 
+STEP_COLUMNS = {
+    "change after one update": "routing/expert_change/after_one_update",
+    "change predicted by the margins": "routing/margin/predicted_change",
+    "per-update KL": "policy/approx_kl",
+}
+"""Step-size and volatility table: column -> the per-step metric averaged over each run's steps."""
+
+
+def step_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
+    """Per group: each STEP_COLUMNS metric's mean over steps, averaged over seeds (mean, 95% CI half, n),
+    with every seed's value; empty when no run logged the change after one update."""
+    if not any("routing/expert_change/after_one_update" in row for rs in groups.values() for r in rs for row in r.rows):
+        return {}
+    table = {}
+    for label, runs in groups.items():
+        per_seed = {c: [finite_mean(r.series(k)) for r in runs] for c, k in STEP_COLUMNS.items()}
+        cis = {c: mean_ci(v) for c, v in per_seed.items()}
+        table[label] = {"seeds": [r.seed for r in runs], **{c: ci.mean for c, ci in cis.items()},
+                        "ci95": {c: ci.half for c, ci in cis.items()}, "n": {c: ci.n for c, ci in cis.items()},
+                        "per_seed": {"seed": [r.seed for r in runs], **per_seed}}  # fmt: skip
+    return table
+
+
+def format_step(table: dict[str, dict[str, Any]]) -> str:
+    """Markdown, one row per group: the change after one update (%), its prediction, the per-update KL."""
+    lines = ["| run | seeds | " + " | ".join(STEP_COLUMNS) + " |", "|---" * (len(STEP_COLUMNS) + 2) + "|"]
+    for label, row in table.items():
+        cells = []
+        for c in STEP_COLUMNS:
+            pct = "change" in c
+            cell = f"{100 * row[c]:.2f}%" if pct else f"{row[c]:.2g}"
+            half = row["ci95"][c]
+            cells.append(cell + (f" ± {100 * half:.2f}%" if pct else f" ± {half:.1g}") * (half == half))  # nan: 1 seed
+        lines.append(f"| {label} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def format_collapse(table: dict[str, dict[str, Any]]) -> str:
     """Markdown, one row per group."""
     lines = [
@@ -165,6 +206,7 @@ def write_report(
     groups = group_runs(runs, fields)
     summary, collapse = summary_table(groups), collapse_table(groups)
     outcomes = outcomes_table(groups) if has_expected(runs) else {}
+    steps = step_table(groups)
     pairs = pairwise(groups, fields, permutations)
     figures = write_figures(groups, out_dir, smooth=smooth)
     if outcomes:
@@ -199,6 +241,7 @@ def write_report(
         json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs,
                     **({"dose": drift.dose_json(dose), "dose_trend": drift.trend_json(trend)} if dose is not None else {}),
                     **({"outcomes": outcomes} if outcomes else {}),
+                    **({"step_size": steps} if steps else {}),
                     **({"critical_lr": critical.critical_json(crit)} if crit else {}),
                     **({"offpolicy": offpolicy.offpolicy_json(*off)} if off else {})}, indent=2)
     )
@@ -228,6 +271,10 @@ def write_report(
         "events = `collapse/events` at the last step. Full precision in [table.json](table.json).",
         summary_md,
         *(["## Expected accuracy over training", format_outcomes(outcomes)] if outcomes else []),
+        *(["## Volatility and step size", "Per run, the mean over steps of `routing/expert_change/after_one_update` "
+           "(mini-batch 2 against the old policy: the paper's per-update quantity), `routing/margin/predicted_change` "
+           "(what the router margins predict for the update's logit shift) and `policy/approx_kl` (the per-update "
+           "KL); mean ± 95% CI over seeds.", format_step(steps)] if steps else []),
         "## Collapse",
         collapse_md,
         *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in by_field.items()),

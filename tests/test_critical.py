@@ -105,3 +105,15 @@ def test_regression_outcome_needs_a_pre_update_eval_and_few_lrs_give_no_section(
     text = report.read_text()
     assert "## Critical step size" in text and "critical_lr.png" in text
     assert (tmp_path / "report" / "critical_lr.md").exists()
+
+
+def test_a_cell_that_skips_an_lr_still_gets_its_fit_and_figure(tmp_path):
+    """A search grid is not always a cross product (natural_balanced's parts run some lrs only): a cell with
+    no run at some lr shows 0/0 there, and the figure leaves that point out instead of failing."""
+    runs = _draw({("grpo", 0.0): 4e-4, ("gspo", 0.0): 4e-4}, slope=6.0, seeds=3, rng=np.random.default_rng(2))
+    runs = [r for r in runs if not (r.config["objective"]["preset"] == "gspo" and r.config["trainer"]["lr"] == LRS[0])]
+    result = critical_lr(runs, varying_fields(runs), None)
+    gspo = next(c for c in result["cells"] if c["arm"].startswith("gspo"))
+    assert gspo["regressed_by_lr"][LRS[0]] == (0, 0)
+    write_report(runs, tmp_path, "gap", ["hand"], permutations=100)
+    assert "| 0/0 |" in (tmp_path / "critical_lr.md").read_text() and (tmp_path / "critical_lr.png").is_file()
