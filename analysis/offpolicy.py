@@ -200,7 +200,7 @@ def plot_offpolicy(table: list[dict[str, Any]], out_dir: Path) -> Path:
                 continue
             m = np.array([p[0] for p in pts], dtype=float) * 2 ** (0.04 * (i - len(names) / 2))  # dodge
             d = np.array([[p[1].diff, p[1].diff - p[1].lo, p[1].hi - p[1].diff] for p in pts])
-            ax.errorbar(m, d[:, 0], yerr=d[:, 1:].T, marker="o", ms=4, capsize=2, label=name, color=colors[name])
+            ax.errorbar(m, d[:, 0], yerr=np.nan_to_num(d[:, 1:].T), marker="o", ms=4, capsize=2, label=name, color=colors[name])
         ax.axhline(0, color="k", ls=":", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_title(src)
