@@ -18,6 +18,7 @@ estimate. Every interval is a Wald 95% interval by the delta method, every p a t
 | critical lr of cell c (P = ½) | lr*_c = 10^(m − a_c / b); flagged when it lies outside the swept lrs (an extrapolation) |
 | shift of an arm's critical lr under a dose | Δ = log10 lr*_(arm, dose) − log10 lr*_(arm, 0) = −(a_(arm, dose) − a_(arm, 0)) / b, shown as the factor 10^Δ (< 1: the dose lowers the critical lr) |
 | whether a dose moves two arms' critical lr alike (the arm x dose interaction) | Δ_A − Δ_B, as the factor 10^(Δ_A − Δ_B) |
+| one arm's critical lr against another's at the same setting (same dose and other fields) | log10 lr*_A − log10 lr*_B = −(a_A − a_B) / b, as the factor 10^(...) |
 
 Replay arms ignore the dose (replay wins), so they have one cell and no shift. The runs of a seed share
 its warm start, which the model does not know: the runs are treated as independent, so the intervals
@@ -184,9 +185,17 @@ def critical_lr(runs: list[Run], fields: list[str], dose_field: str | None) -> d
                 value = a["shift"].log10 - c["shift"].log10
                 interactions.append({"a": a["arm"], "b": c["arm"], "dose": a["dose"],
                                      "difference": _wald(value, a["grad"] - c["grad"], fit.cov)})  # fmt: skip
+    between = []  # two arms at the same setting (every other field equal)
+    cells = list(index)
+    for x, cell_a in enumerate(cells):
+        for cell_b in cells[x + 1 :]:
+            if cell_a[1] == cell_b[1] and cell_a[0] != cell_b[0]:
+                value, grad = shift(index[cell_a], index[cell_b])
+                between.append({"a": table[index[cell_a]]["cell"], "b": table[index[cell_b]]["cell"],
+                                "ratio": _wald(value, grad, fit.cov)})  # fmt: skip
     return {"lrs": lrs, "slope": float(b), "converged": fit.converged, "runs": len(known), "cells": table,
             "shifts": [{k: v for k, v in s.items() if k != "grad"} for s in shifts],
-            "interactions": interactions}  # fmt: skip
+            "interactions": interactions, "between": between}  # fmt: skip
 
 
 def format_critical(result: dict[str, Any], dose_field: str | None) -> str:
@@ -203,6 +212,11 @@ def format_critical(result: dict[str, Any], dose_field: str | None) -> str:
     lines += ["", f"Cells: seeds with sustained regression / seeds at each lr. Model: Firth logistic regression of "
               f"regression on log10 lr, one intercept per cell and a common slope b = {result['slope']:.3g} "
               f"({result['runs']} runs; {'converged' if result['converged'] else 'did NOT converge'})."]
+    if result["between"]:
+        lines += ["", "Critical lr of one arm against another at the same setting (factor lr*_a / lr*_b, 95% CI, "
+                  "Wald p):", "", "| a | b | factor | verdict |", "|---|---|---|---|"]  # fmt: skip
+        for d in result["between"]:
+            lines.append(f"| {d['a']} | {d['b']} | {d['ratio'].factor()} | {_verdict(d['ratio'])} |")
     if result["shifts"]:
         lines += ["", f"Shift of the critical lr under `{dose_field}` (factor lr*(dose) / lr*(0), 95% CI, Wald p):", "",
                   "| arm | dose | factor | verdict |", "|---|---|---|---|"]
@@ -233,6 +247,7 @@ def critical_json(result: dict[str, Any]) -> dict[str, Any]:
         "cells": [{**{k: v for k, v in c.items() if k not in ("lr_star", "regressed_by_lr")}, "lr_star": est(c["lr_star"]),
                    "regressed_by_lr": {str(k): list(v) for k, v in c["regressed_by_lr"].items()}} for c in result["cells"]],
         "shifts": [{**{k: v for k, v in s.items() if k != "shift"}, "shift": est(s["shift"])} for s in result["shifts"]],
+        "between": [{"a": d["a"], "b": d["b"], "ratio": est(d["ratio"])} for d in result["between"]],
         "interactions": [{**{k: v for k, v in d.items() if k != "difference"}, "difference": est(d["difference"])}
                          for d in result["interactions"]],
     }  # fmt: skip

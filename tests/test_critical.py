@@ -88,8 +88,20 @@ def test_critical_lr_recovers_a_known_dose_shift_and_its_interaction():
     assert shifts["gspo (replay=off)"].lo <= 0 <= shifts["gspo (replay=off)"].hi
     (inter,) = result["interactions"]
     assert inter["difference"].hi < 0 and inter["difference"].p < 0.05
+    # between arms at one setting: at σ = 0.3 grpo's lr* is half gspo's and grpo_rr's, equal at σ = 0
+    between = {(d["a"], d["b"]): d["ratio"] for d in result["between"]}
+    assert len(between) == 4  # σ = 0: grpo-gspo; σ = 0.3: grpo-gspo, grpo-grpo_rr, gspo-grpo_rr
+    half = between[("grpo (replay=off) logit_noise=0.3", "gspo (replay=off) logit_noise=0.3")]
+    assert half.lo <= math.log10(0.5) <= half.hi and half.hi < 0
+    same = between[("grpo (replay=off) logit_noise=0", "gspo (replay=off) logit_noise=0")]
+    assert same.lo <= 0 <= same.hi
+    i, j = (next(k for k, c in enumerate(result["cells"]) if c["cell"] == name) for name in
+            ("grpo (replay=off) logit_noise=0.3", "gspo (replay=off) logit_noise=0.3"))  # fmt: skip
+    stars = result["cells"][i]["lr_star"].log10, result["cells"][j]["lr_star"].log10
+    assert half.log10 == pytest.approx(stars[0] - stars[1], abs=1e-12)  # the ratio of the two lr*
     text = format_critical(result, "routing.logit_noise")
     assert "| grpo (replay=off) | 0.3 | x0." in text and "distinguishable from noise at 5%" in text
+    assert "| grpo (replay=off) logit_noise=0.3 | gspo (replay=off) logit_noise=0.3 | x0." in text
 
 
 def test_regression_outcome_needs_a_pre_update_eval_and_few_lrs_give_no_section(tmp_path):
