@@ -257,13 +257,15 @@ def _short(sentence: str) -> str:
     return sentence.split(" (", 1)[0]
 
 
+def plain(v: Any) -> Any:
+    """A table value as plain JSON: dataclasses (MeanCI, Difference) as dicts, dicts recursively."""
+    if dataclasses.is_dataclass(v):
+        return dataclasses.asdict(v)
+    return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+
 def dose_json(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The table as plain JSON values (each mean with its CI half-width and n, each difference whole)."""
-    def plain(v: Any) -> Any:
-        if dataclasses.is_dataclass(v):
-            return dataclasses.asdict(v)
-        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
-
     return [plain(row) for row in table]
 
 

@@ -29,7 +29,6 @@ clipping too; the arms here all clip (GRPO's ε = 0.2), and the safety_nets abla
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from analysis.drift import _fmt_diff, _short, plain  # noqa: E402
 from analysis.figures import _finish, finite_mean  # noqa: E402
 from analysis.load import Run  # noqa: E402
 from analysis.outcomes import auc, has_expected  # noqa: E402
@@ -136,15 +136,6 @@ def offpolicy_trends(runs: list[Run]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _diff(d) -> str:
-    ci = f" [{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
-    return f"{d.diff:+.3f}{ci}, p = {d.p:.2g}"
-
-
-def _short(sentence: str) -> str:
-    return sentence.split(" (", 1)[0]
-
-
 def format_offpolicy(table: list[dict[str, Any]], trends: dict[str, dict[str, Any]]) -> str:
     """Markdown: the per-cell arm table, the contrast table and the trend table."""
     arm_names = list(dict.fromkeys(a for row in table for a in row["arms"]))
@@ -162,28 +153,19 @@ def format_offpolicy(table: list[dict[str, Any]], trends: dict[str, dict[str, An
     lines += ["", "| source | mini-batches | contrast | seeds | AUC difference (95% CI), p | verdict |", "|---" * 6 + "|"]
     for row in table:
         for name, c in row["contrasts"].items():
-            lines.append(f"| {row['source']} | {row['mini_batches']} | {name} | {c['diff'].n_a} | {_diff(c['diff'])} "
+            lines.append(f"| {row['source']} | {row['mini_batches']} | {name} | {c['diff'].n_a} | {_fmt_diff(c['diff'])} "
                          f"| {_short(c['verdict'])} |")  # fmt: skip
     lines += ["", "| source | contrast | seeds | change per doubling of mini-batches (95% CI), p | verdict |",
               "|---" * 5 + "|"]  # fmt: skip
     for src, by in trends.items():
         for name, t in by.items():
-            lines.append(f"| {src} | {name} | {t['slope'].n_a} | {_diff(t['slope'])} | {_short(t['verdict'])} |")
+            lines.append(f"| {src} | {name} | {t['slope'].n_a} | {_fmt_diff(t['slope'])} | {_short(t['verdict'])} |")
     return "\n".join(lines)
 
 
 def offpolicy_json(table: list[dict[str, Any]], trends: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Both tables as plain JSON values, every seed's value kept."""
-    def plain(v: Any) -> Any:
-        if dataclasses.is_dataclass(v):
-            return dataclasses.asdict(v)
-        if isinstance(v, dict):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, list | tuple):
-            return [plain(x) for x in v]
-        return v
-
-    return {"cells": plain(table), "trends": plain(trends)}
+    return {"cells": [plain(row) for row in table], "trends": plain(trends)}
 
 
 def plot_offpolicy(table: list[dict[str, Any]], out_dir: Path) -> Path:

@@ -40,6 +40,7 @@ log-rank test of time to regression), with CIs, p-values and a verdict in words.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -159,10 +160,11 @@ def format_step(table: dict[str, dict[str, Any]]) -> str:
     for label, row in table.items():
         cells = []
         for c in STEP_COLUMNS:
-            pct = "change" in c
-            cell = f"{100 * row[c]:.2f}%" if pct else f"{row[c]:.2g}"
-            half = row["ci95"][c]
-            cells.append(cell + (f" ± {100 * half:.2f}%" if pct else f" ± {half:.1g}") * (half == half))  # nan: 1 seed
+            mean, half = row[c], row["ci95"][c]
+            if "change" in c:
+                cells.append(f"{100 * mean:.2f}%" + (f" ± {100 * half:.2f}%" if math.isfinite(half) else ""))
+            else:
+                cells.append(f"{mean:.2g}" + (f" ± {half:.1g}" if math.isfinite(half) else ""))
         lines.append(f"| {label} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
