@@ -175,7 +175,8 @@ class TrainerConfig:
     """Device of the model: cpu or cuda."""
     sampler_dtype: str | None = None
     """Sample with a separate copy of the policy in this dtype (e.g. bfloat16, as a low-precision
-    inference engine would), synced after every step; None samples with the trained model itself."""
+    inference engine would), synced after every step; None samples with the trained model itself.
+    With sampler.engine=vllm, the engine's dtype (None: model.dtype)."""
     parallel: str = "ddp"
     """Under torchrun with several processes: ddp (each rank holds the whole model; gradients are
     all-reduced) or fsdp (FSDP2: parameters, gradients and optimizer state sharded over ranks)."""
@@ -393,6 +394,12 @@ class Config:
                 f"trainer.reuse_sampler_logp=true needs the sampler to be the trained model, but "
                 f"trainer.sampler_dtype={t.sampler_dtype!r} samples with a {t.sampler_dtype} copy: set "
                 "trainer.sampler_dtype=null or trainer.reuse_sampler_logp=false"
+            )
+        if self.sampler.engine == "vllm" and t.reuse_sampler_logp:
+            raise ValueError(
+                "trainer.reuse_sampler_logp=true takes the sampler's log-probs and routes as the old policy's, "
+                "which holds only for the trained model itself, not for sampler.engine=vllm: set "
+                "trainer.reuse_sampler_logp=false"
             )
         if t.parallel not in PARALLEL:
             raise ValueError(f"trainer.parallel={t.parallel!r}: expected one of {PARALLEL}")

@@ -132,6 +132,8 @@ REPORTS = (
                ("objective.preset",), (LENGTH_TOKEN_VAR, LENGTH_WITHIN_VAR, LENGTH_SEQ_VAR, LENGTH_SEQS, LENGTH)),
     ReportSpec("replay_source", "Replay source: off vs old (R2) vs rollout (R3), fp32 and bf16 sampler",
                (*GROUPBY, "trainer.sampler_dtype"), (LOGP_DIFF, ROLLOUT_VS_OLD, REWARD, TOKEN_VAR)),
+    ReportSpec("replay_source_vllm", "Replay source with a vLLM sampler: hf vs vLLM engine, fp32 and bf16",
+               (*GROUPBY, "sampler.engine", "trainer.sampler_dtype"), (LOGP_DIFF, ROLLOUT_VS_OLD, REWARD, STAGES)),
     ReportSpec("collapse_stress", "Collapse under stress: staleness and learning rate",
                ("objective.preset", "trainer.lr"), (EVENTS_BY_KIND, EVENTS, REWARD, EXTREMES, SEQ_EXTREMES)),
     ReportSpec("lr_calibration", "Step size: per-update KL and clipping against the learning rate",

