@@ -41,7 +41,7 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -95,25 +95,31 @@ def _row_seed(seed: int, row: int) -> int:
 
 
 @dataclass
-class _Request:
-    """What the taps saw of one request: the routed positions, their experts, and its draws' entropies."""
+class _Forward:
+    """One engine forward as the route tap saw it: its requests in the runner's order, each one's number of
+    tokens, the tokens' positions and the experts each layer sent them to."""
 
-    positions: list[torch.Tensor] = field(default_factory=list)
-    ids_NLK: list[torch.Tensor] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)
+    req_ids: list[str]
+    counts_R: torch.Tensor
+    positions_N: torch.Tensor
+    ids_NLK: torch.Tensor
 
 
 class _Taps:
-    """Wraps the engine's model forward, its MoE layers' `select_experts` and its sampler, to record each
-    request's routed experts by position and the entropy of each of its draws."""
+    """Wraps the engine's model forward, its MoE layers' `select_experts` and its sampler, to record which
+    experts each request's tokens were routed to (by position) and the entropy of each draw. The flat batch
+    of a forward is its requests' scheduled tokens concatenated in input-batch order, and the sampler gets
+    one row of logits per request in that order."""
 
     def __init__(self, runner, moe_layers: list, temperature: float) -> None:
-        self.runner, self.temperature = runner, temperature
-        self.requests: dict[str, _Request] = {}
+        self.runner, self.temperature, self.layers = runner, temperature, moe_layers
+        self.num_layers = len(moe_layers)
+        self.forwards: list[_Forward] = []
+        self.draws: list[tuple[list[str], torch.Tensor]] = []  # (requests whose draw is kept, entropies)
         self._ids: dict[int, torch.Tensor] = {}
-        self._layout: tuple[list[str], list[int], list[bool]] | None = None
-        model = runner.model
-        forward = model.forward
+        self._kept: list[bool] = []
+        model, sampler = runner.model, runner.sampler
+        forward, sample = model.forward, sampler.forward
 
         def tapped_forward(input_ids, positions, *args, **kwargs):
             self._ids.clear()
@@ -121,7 +127,11 @@ class _Taps:
             self._record_routes(positions)
             return out
 
-        model.forward = tapped_forward
+        def tapped_sample(logits, *args, **kwargs):
+            self._record_entropy(logits)
+            return sample(logits, *args, **kwargs)
+
+        model.forward, sampler.forward = tapped_forward, tapped_sample
         for layer, moe in enumerate(moe_layers):
             select = moe.router.select_experts
 
@@ -131,52 +141,73 @@ class _Taps:
                 return weights, ids
 
             moe.router.select_experts = tapped_select
-        self.num_layers = len(moe_layers)
-        sampler = runner.sampler
-        sample = sampler.forward
 
-        def tapped_sample(logits, *args, **kwargs):
-            self._record_entropy(logits)
-            return sample(logits, *args, **kwargs)
-
-        sampler.forward = tapped_sample
-
-    def _batch(self) -> tuple[list[str], list[int]]:
-        """This forward's requests, in the runner's order, and where each one's tokens start (the flat
-        batch is the requests' scheduled tokens, concatenated in input-batch order)."""
-        batch = self.runner.input_batch
-        n = batch.num_reqs
-        return list(batch.req_ids[:n]), [int(x) for x in self.runner.query_start_loc.np[: n + 1]]
+    def clear(self) -> None:
+        self.forwards.clear()
+        self.draws.clear()
 
     def _record_routes(self, positions_N: torch.Tensor) -> None:
-        req_ids, starts = self._batch()
         if len(self._ids) != self.num_layers:
             raise RoutingReplayError(
                 f"the vLLM route tap saw {len(self._ids)} of {self.num_layers} MoE layers in a forward: "
                 "its kernels bypassed select_experts"
             )
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        req_ids = list(batch.req_ids[:n])
+        starts = torch.from_numpy(self.runner.query_start_loc.np[: n + 1].astype("int64"))
+        counts_R = starts.diff()
         ids_NLK = torch.stack([self._ids[layer] for layer in range(self.num_layers)], dim=1)
-        positions_N = positions_N.detach().cpu()
-        computed = self.runner.input_batch.num_computed_tokens_cpu
-        kept = []
-        for j, req_id in enumerate(req_ids):
-            lo, hi = starts[j], starts[j + 1]
-            req = self.requests.setdefault(req_id, _Request())
-            req.positions.append(positions_N[lo:hi].clone())
-            req.ids_NLK.append(ids_NLK[lo:hi])
-            # A chunk that ends inside the prompt samples a token that is thrown away.
-            kept.append(int(computed[j]) + hi - lo >= self.runner.requests[req_id].num_prompt_tokens)
-        self._layout = (req_ids, starts, kept)
+        positions_N = positions_N[: int(starts[-1])].to("cpu", copy=True)  # a buffer the next step overwrites
+        self.forwards.append(_Forward(req_ids, counts_R, positions_N, ids_NLK))
+        # A chunk that ends inside the prompt samples a token that is thrown away.
+        done_R = torch.from_numpy(batch.num_computed_tokens_cpu[:n].astype("int64")) + counts_R
+        prompt_R = torch.tensor([self.runner.requests[r].num_prompt_tokens for r in req_ids])
+        self._kept = (done_R >= prompt_R).tolist()
 
     @torch.no_grad()
-    def _record_entropy(self, logits_NV: torch.Tensor) -> None:
-        assert self._layout is not None, "the sampler ran before any forward"
-        req_ids, _, kept = self._layout
-        logp = torch.log_softmax(logits_NV.float() / (self.temperature or 1.0), dim=-1)
-        entropy_N = -(logp.exp() * logp).nan_to_num().sum(-1).cpu()
-        for j, req_id in enumerate(req_ids):
-            if kept[j]:
-                self.requests[req_id].entropy.append(float(entropy_N[j]))
+    def _record_entropy(self, logits_RV: torch.Tensor) -> None:
+        logp = torch.log_softmax(logits_RV.float() / (self.temperature or 1.0), dim=-1)
+        entropy_R = -(logp.exp() * logp).nan_to_num().sum(-1).cpu()
+        kept = self._kept
+        req_ids = self.forwards[-1].req_ids
+        self.draws.append(([r for r, k in zip(req_ids, kept, strict=True) if k], entropy_R[torch.tensor(kept)]))
+
+    def entropies(self, row_of: dict[str, int], lengths_B: torch.Tensor) -> torch.Tensor:
+        """`[B, R]` entropy of each row's draws, in the order drawn (0 on pads)."""
+        rows_N = torch.tensor([row_of[r] for ids, _ in self.draws for r in ids], dtype=torch.long)
+        entropy_N = torch.cat([e for _, e in self.draws])
+        counts_B = torch.bincount(rows_N, minlength=len(lengths_B))
+        if not torch.equal(counts_B, lengths_B):
+            raise RoutingReplayError(f"the vLLM sampler tap saw {counts_B.tolist()} draws of {lengths_B.tolist()}")
+        order = torch.argsort(rows_N, stable=True)  # by row, in the order drawn
+        within = torch.arange(len(order)) - torch.repeat_interleave(torch.cumsum(counts_B, 0) - counts_B, counts_B)
+        entropy_BR = torch.zeros(len(lengths_B), int(lengths_B.max()))
+        entropy_BR[rows_N[order], within] = entropy_N[order]
+        return entropy_BR
+
+    def routes(self, row_of: dict[str, int], offset_B: torch.Tensor, fed_B: torch.Tensor, T: int, K: int,
+               dtype: torch.dtype) -> torch.Tensor:
+        """`[B, T, L, K]` experts of each row's fed positions, shifted by `offset_B` (its left padding);
+        every other slot holds experts 0..K-1. Raises unless each row's positions 0..fed-1 were each
+        recorded exactly once."""
+        B = len(fed_B)
+        rows_N = torch.cat([torch.repeat_interleave(torch.tensor([row_of[r] for r in f.req_ids]), f.counts_R)
+                            for f in self.forwards])
+        positions_N = torch.cat([f.positions_N for f in self.forwards]).long()
+        ids_NLK = torch.cat([f.ids_NLK for f in self.forwards])
+        covered_BT = torch.zeros(B, T + 1, dtype=torch.long)
+        covered_BT.index_put_((rows_N, positions_N.clamp(max=T)), torch.ones_like(rows_N), accumulate=True)
+        expected_BT = torch.arange(T + 1)[None] < fed_B[:, None]
+        if not torch.equal(covered_BT, expected_BT.long()):
+            bad = int((covered_BT != expected_BT.long()).any(1).nonzero()[0])
+            raise RoutingReplayError(
+                f"the vLLM route tap recorded positions {covered_BT[bad].nonzero().flatten().tolist()} of a "
+                f"request that fed {int(fed_B[bad])}: the engine reused or skipped tokens"
+            )
+        ids_BTLK = torch.arange(K, dtype=dtype).expand(B, T, self.num_layers, K).clone()
+        ids_BTLK[rows_N, positions_N + offset_B[rows_N]] = ids_NLK.to(dtype)
+        return ids_BTLK
 
 
 def _moe_layers(model: torch.nn.Module) -> list:
@@ -353,23 +384,22 @@ class VllmEngine:
             TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
             for ids, m in zip(prompt_ids_BP, prompt_mask_BP, strict=True)
         ]
-        self.taps.requests.clear()
+        self.taps.clear()
         outputs = self.llm.generate(inputs, self._params(seed, range(len(prompts))[rows]), use_tqdm=False)
         completions = [out.outputs[0] for out in outputs]
-        R = max(len(c.token_ids) for c in completions)
-        pad = self.tokenizer.pad_token_id
+        lengths_B = torch.tensor([len(c.token_ids) for c in completions])
+        R, pad = int(lengths_B.max()), self.tokenizer.pad_token_id
         tokens_BR = torch.full((B, R), pad, dtype=torch.long)
         logp_BR = torch.zeros(B, R)
-        entropy_BR = torch.zeros(B, R)
-        taps = {req_id.rsplit("-", 1)[0]: req for req_id, req in self.taps.requests.items()}
-        for b, (out, c) in enumerate(zip(outputs, completions, strict=True)):
-            n = len(c.token_ids)
-            tokens_BR[b, :n] = torch.tensor(c.token_ids)
-            logp_BR[b, :n] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
-            drawn = taps[out.request_id].entropy
-            assert len(drawn) == n, f"the sampler tap saw {len(drawn)} draws of a {n}-token response"
-            entropy_BR[b, :n] = torch.tensor(drawn)
-        lengths_B = torch.tensor([len(c.token_ids) for c in completions])
+        for b, c in enumerate(completions):
+            tokens_BR[b, : len(c.token_ids)] = torch.tensor(c.token_ids)
+            logp_BR[b, : len(c.token_ids)] = torch.tensor(
+                [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+            )
+        # The engine names requests "<index>-<suffix>"; `generate` returns them in order, by index.
+        index_of = {out.request_id: b for b, out in enumerate(outputs)}
+        seen = {r for f in self.taps.forwards for r in f.req_ids}
+        row_of = {r: index_of[r.rsplit("-", 1)[0]] for r in seen}
         response_mask_BR = torch.arange(R)[None] < lengths_B[:, None]
         roll = Rollout(
             prompt_ids_BP,
@@ -377,29 +407,21 @@ class VllmEngine:
             tokens_BR,
             response_mask_BR,
             logp_BR,
-            entropy_BR,
+            self.taps.entropies(row_of, lengths_B),
             None,
             self.tokenizer.batch_decode(tokens_BR.masked_fill(~response_mask_BR, pad), skip_special_tokens=True),
         )
-        roll.routing = self._trace(roll, [taps[out.request_id] for out in outputs], lengths_B)
+        roll.routing = self._trace(roll, row_of, lengths_B)
         return roll
 
-    def _trace(self, roll: Rollout, requests: list[_Request], lengths_B: torch.Tensor) -> RoutingTrace:
+    def _trace(self, roll: Rollout, row_of: dict[str, int], lengths_B: torch.Tensor) -> RoutingTrace:
         """The engine's routes in the hf engine's layout: `[B, S - 1, L, K]` over the left-padded prompt
         and the response. Padding, which the engine never computes, gets experts 0..K-1: replaying them
         changes no real token (pads are masked out of attention, and positions after EOS come last)."""
         B, P = roll.prompt_ids_BP.shape
         S = P + roll.response_ids_BR.shape[1]
-        K = requests[0].ids_NLK[0].shape[-1]
-        ids_BTLK = torch.arange(K, dtype=ids_dtype(self.num_experts)).expand(B, S - 1, self.taps.num_layers, K).clone()
+        K = self.taps.forwards[0].ids_NLK.shape[-1]
         prompt_len_B = roll.prompt_mask_BP.sum(1)
-        for b, req in enumerate(requests):
-            positions_N = torch.cat(req.positions).long()
-            fed = int(prompt_len_B[b] + lengths_B[b] - 1)
-            if sorted(positions_N.tolist()) != list(range(fed)):
-                raise RoutingReplayError(
-                    f"the vLLM route tap recorded positions {positions_N.min()}..{positions_N.max()} "
-                    f"({len(positions_N)}) of a request that fed {fed}: the engine reused or skipped tokens"
-                )
-            ids_BTLK[b, positions_N + (P - int(prompt_len_B[b]))] = torch.cat(req.ids_NLK).to(ids_BTLK.dtype)
+        ids_BTLK = self.taps.routes(row_of, P - prompt_len_B, prompt_len_B + lengths_B - 1, S - 1, K,
+                                    ids_dtype(self.num_experts))
         return RoutingTrace(ids_BTLK, self.num_experts, None, token_digest(roll.input_ids_BS[:, : S - 1]))
