@@ -45,7 +45,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis import critical, drift, offpolicy
+from analysis import critical, drift, engines, offpolicy
 from analysis.figures import BAND, finite_mean, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.outcomes import CAPTION as outcomes_caption
@@ -236,6 +236,10 @@ def write_report(
     if off:
         (out_dir / "offpolicy.md").write_text(off_md + "\n")
         figures = {"offpolicy": (offpolicy.plot_offpolicy(off[0], out_dir), offpolicy.CAPTION), **figures}
+    eng = engines.engine_table(runs) if engines.applies(runs) else None
+    eng_md = engines.format_engines(eng) if eng else ""
+    if eng:
+        (out_dir / "engines.md").write_text(eng_md + "\n")
     (out_dir / "summary_table.md").write_text(summary_md + "\n")
     (out_dir / "collapse_table.md").write_text("\n\n".join([collapse_md, *by_field.values()]) + "\n")
     (out_dir / "pairs_table.md").write_text(pairs_md + "\n")
@@ -245,7 +249,8 @@ def write_report(
                     **({"outcomes": outcomes} if outcomes else {}),
                     **({"step_size": steps} if steps else {}),
                     **({"critical_lr": critical.critical_json(crit)} if crit else {}),
-                    **({"offpolicy": offpolicy.offpolicy_json(*off)} if off else {})}, indent=2)
+                    **({"offpolicy": offpolicy.offpolicy_json(*off)} if off else {}),
+                    **({"engines": engines.engines_json(eng)} if eng else {})}, indent=2)
     )
 
     names = short_names(fields)
@@ -283,6 +288,7 @@ def write_report(
         *(["## Dose-response", drift.__doc__.split("\n\n", 1)[1].strip(), dose_md] if dose else []),
         *(["## Critical step size", critical.__doc__.split("\n\n", 1)[1].strip(), crit_md] if crit else []),
         *(["## Replay against off-policiness", offpolicy.__doc__.split("\n\n", 1)[1].strip(), off_md] if off else []),
+        *(["## vLLM engine against hf engine", engines.__doc__.split("\n\n", 1)[1].strip(), eng_md] if eng else []),
         "## Pairwise differences",
         pairs_md,
         "## Figures",
