@@ -162,6 +162,18 @@ def test_a_family_vllm_computes_differently_is_refused():
         engine.verify(model, controller, PROMPTS[:2])
 
 
+def test_an_engine_that_cannot_start_fails_in_one_line(monkeypatch):
+    """vLLM failing inside its own start-up (here, a KV-cache size it cannot parse) is one RunError line
+    naming the model, with vLLM's error kept on the chain."""
+    from moe_rl.errors import RunError
+
+    model, tokenizer, controller = _policy()
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(RunError, match="vLLM could not start an engine for Qwen3MoeForCausalLM") as err:
+        _engine(model, tokenizer, controller)
+    assert "\n" not in str(err.value) and err.value.__cause__ is not None
+
+
 @pytest.mark.parametrize("family", ["olmoe", "mixtral", "qwen2_moe"])
 def test_other_families_agree_with_the_trainer(family):
     """OLMoE (with its own norm_topk_prob=false), Mixtral and Qwen2-MoE: the engine builds, and its

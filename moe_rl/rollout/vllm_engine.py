@@ -40,6 +40,7 @@ and nothing here has been measured there.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import math
 import os
 import shutil
@@ -244,7 +245,7 @@ class VllmEngine:
         from vllm import LLM
 
         self.cfg, self.tokenizer, self.dtype = cfg, tokenizer, dtype
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size, self.device = model.config.vocab_size, model.device
         self._dir = tempfile.mkdtemp(prefix="moe-rl-vllm-")
         atexit.register(shutil.rmtree, self._dir, True)
         model.save_pretrained(self._dir)
@@ -301,7 +302,7 @@ class VllmEngine:
         4.8e-7) or a position that predicts a response token is routed differently: the engine would be
         computing another function, not rounding it. Returns the largest log-prob difference (NaN where
         the nucleus renormalisation of processed log-probs at top_p < 1 leaves nothing comparable)."""
-        roll = self.sample(prompts, seed=0)
+        roll = self._sample(prompts, 0, slice(None))
         R, mask_BR = roll.response_ids_BR.shape[1], roll.response_mask_BR
         with controller.record() as rec:
             logits_BRV = model(
@@ -376,10 +377,19 @@ class VllmEngine:
             for row in rows
         ]
 
-    @torch.no_grad()
     def sample(self, prompts: list[str], *, seed: int, rows: slice = slice(None)) -> Rollout:
-        """One completion per prompt (repeat prompts for groups), as `moe_rl.rollout.sample` returns it;
-        only `rows` of `prompts` are sampled, with the padding of the whole list."""
+        """One completion per prompt (repeat prompts for groups), as `moe_rl.rollout.sample` returns it, on
+        the trained model's device; only `rows` of `prompts` are sampled, with the padding of the whole list."""
+        roll = self._sample(prompts, seed, rows)
+        if self.device.type == "cpu":
+            return roll
+        tensors = {f.name: getattr(roll, f.name).to(self.device) for f in dataclasses.fields(roll)
+                   if isinstance(getattr(roll, f.name), torch.Tensor)}
+        return dataclasses.replace(roll, **tensors, routing=roll.routing.to(self.device))
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[str], seed: int, rows: slice) -> Rollout:
+        """`sample`, on the CPU (where the taps assemble it)."""
         from vllm.inputs import TokensPrompt
 
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
