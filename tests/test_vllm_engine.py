@@ -6,7 +6,6 @@ Tolerances are measured: in fp32 the engine's log-probs of the tiny Qwen3-MoE ag
 forward to 4.8e-7 at most (mean 1.6e-7); the tests allow 2e-6.
 """
 
-import json
 import math
 import os
 
@@ -189,19 +188,26 @@ def test_other_families_agree_with_the_trainer(family):
 
 
 @pytest.mark.slow
-def test_two_step_run_with_the_vllm_engine_and_r3(tmp_path):
-    """A 2-step GRPO + R3 run samples with vLLM: in fp32 the objective's log-prob mismatch is float
-    rounding, the replayed routing agrees with the old policy's, and the weight sync is timed."""
-    from test_train import TINY, compose_config
+def test_runs_with_the_vllm_engine_and_r3_resume_to_the_same_metrics(tmp_path, warm_overrides):
+    """GRPO + R3 sampling with vLLM: in fp32 the objective's log-prob mismatch is float rounding, the
+    replayed routing agrees with the old policy's and the weight sync is timed; and a run stopped after 2
+    steps and resumed to 3 (a new engine, synced to the checkpoint) logs what an uninterrupted one does."""
+    from dataclasses import replace
+
+    from test_train import TINY, _comparable, _read_metrics, compose_config
 
     from moe_rl.trainer.run import train
 
-    cfg = compose_config([*TINY, "sampler.engine=vllm", "objective=grpo_r3", "logger.mode=disabled"])
-    summary = train(cfg, tmp_path)
-    metrics = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines() if r]
-    assert len(metrics) == 2 and summary
-    for m in metrics:
-        assert m["mismatch/logp_abs_diff/mean"] < 2e-6
+    cfg = compose_config([*TINY, *warm_overrides, "sampler.engine=vllm", "objective=grpo_r3",
+                          "trainer.checkpoint_every=1", "logger.mode=disabled"])
+    full = replace(cfg, trainer=replace(cfg.trainer, steps=3))
+    train(full, tmp_path / "full")
+    train(cfg, tmp_path / "cut")  # steps=2, then "killed"
+    train(replace(full, resume=True), tmp_path / "cut")
+    uncut, cut = _read_metrics(tmp_path / "full"), _read_metrics(tmp_path / "cut")
+    assert len(uncut) == 3 and _comparable(cut) == _comparable(uncut)
+    for m in uncut:
+        assert m["mismatch/logp_abs_diff/mean"] < TOL
         assert m["routing/rollout_vs_old/frac"] == 0.0
         assert 0 < m["time/weight_sync_s"] < 30
         assert m["rollout/entropy/mean"] > 0
