@@ -22,7 +22,7 @@ except ImportError:
 from moe_rl.models import build_model
 from moe_rl.models.config import ModelConfig
 from moe_rl.models.tokenizer import build_tokenizer
-from moe_rl.rollout import SamplerConfig, response_logprobs
+from moe_rl.rollout import SamplerConfig, position_ids_from_mask, response_logprobs
 from moe_rl.rollout.vllm_engine import VllmEngine
 from moe_rl.routing import RoutingController
 
@@ -55,8 +55,10 @@ def _trainer_view(model, controller, roll, temperature=1.0):
     with controller.record() as rec, torch.no_grad():
         logp_BR = response_logprobs(model, roll.input_ids_BS, roll.attention_mask_BS, roll.response_ids_BR.shape[1],
                                     temperature)
+    mask_BS = roll.attention_mask_BS[:, :-1]
     with torch.no_grad():
-        logits = model(input_ids=roll.input_ids_BS[:, :-1], attention_mask=roll.attention_mask_BS[:, :-1]).logits
+        logits = model(input_ids=roll.input_ids_BS[:, :-1], attention_mask=mask_BS,
+                       position_ids=position_ids_from_mask(mask_BS)).logits
     valid_BS = torch.cat([roll.prompt_mask_BP.bool(), roll.response_mask_BR], 1)
     return logp_BR, logits[:, -roll.response_ids_BR.shape[1]:], rec.trace, valid_BS[:, :-1] & valid_BS[:, 1:]
 

@@ -53,6 +53,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.errors import RunError
+from moe_rl.rollout.forward import position_ids_from_mask
 from moe_rl.rollout.sampler import Rollout, SamplerConfig
 from moe_rl.routing import RoutingTrace
 from moe_rl.routing.controller import RoutingReplayError
@@ -304,10 +305,12 @@ class VllmEngine:
         the nucleus renormalisation of processed log-probs at top_p < 1 leaves nothing comparable)."""
         roll = self._sample(prompts, 0, slice(None))
         R, mask_BR = roll.response_ids_BR.shape[1], roll.response_mask_BR
+        mask_BS = roll.attention_mask_BS[:, :-1].to(model.device)
         with controller.record() as rec:
             logits_BRV = model(
                 input_ids=roll.input_ids_BS[:, :-1].to(model.device),
-                attention_mask=roll.attention_mask_BS[:, :-1].to(model.device),
+                attention_mask=mask_BS,
+                position_ids=position_ids_from_mask(mask_BS),
             ).logits[:, -R:].float().cpu()
         z_BRV = logits_BRV / (self.cfg.temperature or 1.0)
         if self.cfg.logprobs == "processed":  # vLLM renormalises over the tokens that may be drawn
