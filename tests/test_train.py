@@ -462,16 +462,22 @@ def _comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "eval/"))} for r in rows]
 
 
+def cut_and_uncut(cfg: Config, steps: int, tmp_path: Path) -> tuple[list[dict], list[dict]]:
+    """The metrics of `cfg` run to `steps` after being stopped at its own trainer.steps and resumed, and of
+    the same run never interrupted."""
+    full = replace(cfg, trainer=replace(cfg.trainer, steps=steps))
+    train(full, tmp_path / "full")
+    train(cfg, tmp_path / "cut")  # stopped at cfg.trainer.steps, as if killed
+    train(replace(full, resume=True), tmp_path / "cut")
+    return _read_metrics(tmp_path / "cut"), _read_metrics(tmp_path / "full")
+
+
 def test_resume_matches_uninterrupted_run(tmp_path, warm_overrides):
     """A run stopped after 2 steps and resumed to 4 logs the same metrics as a 4-step run never interrupted,
     and the pre-update evaluation once (in step 0's row, from the first session)."""
     cfg = compose_config([*TINY, *warm_overrides, "objective=grpo_rr", "trainer.checkpoint_every=1",
                           "logger.wandb=false", "eval.at_start=true"])
-    full = replace(cfg, trainer=replace(cfg.trainer, steps=4))
-    train(full, tmp_path / "full")
-    train(cfg, tmp_path / "cut")  # steps=2, then "killed"
-    train(replace(full, resume=True), tmp_path / "cut")
-    cut, uncut = _read_metrics(tmp_path / "cut"), _read_metrics(tmp_path / "full")
+    cut, uncut = cut_and_uncut(cfg, 4, tmp_path)
     assert _comparable(cut) == _comparable(uncut)
     initial = [{k: v for k, v in r.items() if k.startswith("eval/initial/")} for r in cut]
     assert initial[0] and not any(initial[1:]), "the pre-update eval is logged once, in step 0's row"

@@ -194,19 +194,11 @@ def test_runs_with_the_vllm_engine_and_r3_resume_to_the_same_metrics(tmp_path, w
     """GRPO + R3 sampling with vLLM: in fp32 the objective's log-prob mismatch is float rounding, the
     replayed routing agrees with the old policy's and the weight sync is timed; and a run stopped after 2
     steps and resumed to 3 (a new engine, synced to the checkpoint) logs what an uninterrupted one does."""
-    from dataclasses import replace
-
-    from test_train import TINY, _comparable, _read_metrics, compose_config
-
-    from moe_rl.trainer.run import train
+    from test_train import TINY, _comparable, compose_config, cut_and_uncut
 
     cfg = compose_config([*TINY, *warm_overrides, "sampler.engine=vllm", "objective=grpo_r3",
                           "trainer.checkpoint_every=1", "logger.mode=disabled"])
-    full = replace(cfg, trainer=replace(cfg.trainer, steps=3))
-    train(full, tmp_path / "full")
-    train(cfg, tmp_path / "cut")  # steps=2, then "killed"
-    train(replace(full, resume=True), tmp_path / "cut")
-    uncut, cut = _read_metrics(tmp_path / "full"), _read_metrics(tmp_path / "cut")
+    cut, uncut = cut_and_uncut(cfg, 3, tmp_path)
     assert len(uncut) == 3 and _comparable(cut) == _comparable(uncut)
     for m in uncut:
         assert m["mismatch/logp_abs_diff/mean"] < TOL
