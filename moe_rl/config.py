@@ -199,22 +199,74 @@ class TrainerConfig:
     always written at the end of the run; see moe_rl/trainer/export.py."""
 
 
+COLLAPSE_KINDS = ("nonfinite", "reward_collapse", "eval_regression", "entropy_collapse", "ratio_blowup")
+"""Every kind of collapse event (moe_rl.trainer.collapse)."""
+FAILURE_KINDS = ("nonfinite", "reward_collapse", "eval_regression", "entropy_collapse")
+"""The kinds that say the run is failing; `ratio_blowup` is a signal of the mechanism, not a failure."""
+
+
 @dataclass
 class CollapseConfig:
-    """Collapse-event detection thresholds."""
+    """Collapse-event detection (moe_rl.trainer.collapse; the two level tests: moe_rl.trainer.changepoint).
+    The defaults keep the false-alarm rate of reward_collapse at ≤ 0.05 per 500-step run in every cell of
+    experiments/reward_collapse_fp.py (docs/reliability.md)."""
 
     warmup_steps: int = 5
-    """Steps before reward and entropy collapse can fire."""
-    reward_window: int = 5
-    """Moving-average window of the mean reward."""
+    """Steps before reward and entropy collapse are watched (the reward test ignores these steps)."""
+    reward_window: int = 20
+    """Reward collapse: W, the steps whose mean reward is the reference level (the W steps before the
+    current excursion); nothing can fire in a run's first warmup_steps + W steps."""
     reward_frac: float = 0.5
-    """Reward collapse: moving average below this fraction of its best value so far."""
+    """Reward collapse: the fall the test is tuned to, the true mean reward at this fraction of the
+    reference level; a fall to less than (1 + frac) / 2 of it accumulates no evidence."""
+    reward_arl0: float = 2e4
+    """Reward collapse: average run length (steps) between false alarms of a reward that never moves, for
+    Gaussian noise (Siegmund's approximation) from which the CUSUM's threshold is set; a run of T steps then
+    false-alarms with probability about T / reward_arl0 (measured: experiments/reward_collapse_fp.py)."""
+    reward_margin: float = 1.0
+    """Reward collapse: the reference level is taken this many standard errors of its own mean below the
+    window's mean, so a lucky window does not set a level the policy never had."""
+    eval_frac: float = 0.5
+    """Eval regression: as reward_frac, for `eval/expected_accuracy` (one observation per evaluation)."""
+    eval_window: int = 3
+    """Eval regression: evaluations in the reference level (the initial one counts)."""
+    eval_arl0: float = 1e3
+    """Eval regression: average run length between false alarms, in evaluations."""
+    eval_margin: float = 1.0
+    """Eval regression: as reward_margin."""
     entropy_min: float = 0.02
     """Entropy collapse: mean sampler token entropy (nats) below this."""
     ratio_max: float = 1e3
     """Ratio blow-up: the ratio the objective uses (token or sequence) above ratio_max or below 1 / ratio_max."""
     stop_on_collapse: bool = False
-    """Stop the run at the first collapse event; the summary says so."""
+    """Stop the run at the first event of a kind in `stop_kinds`; the summary says so."""
+    stop_kinds: list[str] = field(default_factory=lambda: list(FAILURE_KINDS))
+    """The kinds `stop_on_collapse` stops on (default: those that say the run is failing)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        for name in ("reward_frac", "eval_frac"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"collapse.{name}={getattr(self, name)}: must be in (0, 1)")
+        for name in ("reward_window", "eval_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"collapse.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("reward_arl0", "eval_arl0"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"collapse.{name}={getattr(self, name)}: must be >= 1 (observations)")
+        for name in ("reward_margin", "eval_margin", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"collapse.{name}={getattr(self, name)}: must be >= 0")
+        if not self.ratio_max > 1:
+            raise ValueError(f"collapse.ratio_max={self.ratio_max}: must be > 1")
+        check_kinds("collapse.stop_kinds", self.stop_kinds)
+
+
+def check_kinds(name: str, kinds: list[str]) -> None:
+    """Raise ValueError naming the field when `kinds` holds a name that is not a collapse kind."""
+    unknown = [k for k in kinds if k not in COLLAPSE_KINDS]
+    if unknown:
+        raise ValueError(f"{name}={list(kinds)}: unknown kind(s) {unknown}; expected some of {list(COLLAPSE_KINDS)}")
 
 
 @dataclass
@@ -238,6 +290,9 @@ class LoggerConfig:
     alerts: bool = True
     """On each collapse event call `wandb.alert` (title: the kind; text: the step and the values that
     tripped it) and tag the run `collapsed:<kind>`, so a W&B filter finds collapsed runs."""
+    alert_kinds: list[str] = field(default_factory=lambda: list(FAILURE_KINDS))
+    """The collapse kinds that raise alerts and `collapsed:<kind>` tags (default: those that say the run is
+    failing; add `ratio_blowup` to be alerted on the mechanism signal too)."""
     alert_interval_s: float = 300.0
     """Rate limit: at most one alert per collapse kind in this many seconds (also passed to W&B as the
     alert's wait_duration); the tag is added on the first event of each kind."""
@@ -416,11 +471,8 @@ class Config:
             )
         if t.device not in ("cpu", "cuda") and not t.device.startswith("cuda:"):
             raise ValueError(f"trainer.device={t.device!r}: expected cpu or cuda[:N]")
-        c = self.collapse
-        if not 0 < c.reward_frac < 1 or c.reward_window < 1 or c.ratio_max <= 1:
-            raise ValueError(
-                "collapse.reward_frac must be in (0, 1), collapse.reward_window >= 1, collapse.ratio_max > 1"
-            )
+        self.collapse.validate()
+        check_kinds("logger.alert_kinds", self.logger.alert_kinds)
         if self.logger.init_timeout_s <= 0:
             raise ValueError(f"logger.init_timeout_s={self.logger.init_timeout_s}: must be > 0")
         if self.logger.mode not in WANDB_MODES:

@@ -23,7 +23,7 @@ def test_alerts_are_rate_limited_per_kind_and_tag_the_run(tmp_path):
                     tags=["t"])
     assert isinstance(wb, Wandb)
     now = [0.0]
-    alerts = CollapseAlerts(wb, interval_s=300.0, clock=lambda: now[0])
+    alerts = CollapseAlerts(wb, interval_s=300.0, kinds=KINDS, clock=lambda: now[0])
     sent = [alerts(_event(1)), alerts(_event(2, "nonfinite"))]
     now[0] = 299.0
     sent.append(alerts(_event(3)))
@@ -44,7 +44,7 @@ def test_alerts_are_rate_limited_per_kind_and_tag_the_run(tmp_path):
 def test_resume_tags_past_kinds_again_without_alerting(tmp_path):
     """On resume, the kinds of the events before the checkpoint tag the run again (once each), with no alert."""
     wb = open_wandb(tmp_path, {}, mode="offline", project="moe-rl-test", entity=None, group="g", name="n", tags=[])
-    alerts = CollapseAlerts(wb, interval_s=300.0)
+    alerts = CollapseAlerts(wb, interval_s=300.0, kinds=KINDS)
     alerts.tag_past([_event(0), _event(1), _event(1, "nonfinite")])
     alerts(_event(2))
     wb.finish()
@@ -64,9 +64,30 @@ def test_alert_on_a_failed_wandb_run_never_raises(tmp_path):
     wb.run.finish()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        CollapseAlerts(wb, interval_s=0.0)(_event(0))
-        CollapseAlerts(wb, interval_s=0.0)(_event(1, "nonfinite"))
+        CollapseAlerts(wb, interval_s=0.0, kinds=KINDS)(_event(0))
+        CollapseAlerts(wb, interval_s=0.0, kinds=KINDS)(_event(1, "nonfinite"))
     assert wb.failed and len([w for w in caught if "W&B call failed" in str(w.message)]) == 1
+
+
+def test_alerts_and_tags_only_for_the_configured_kinds(tmp_path):
+    """With the default logger.alert_kinds a ratio_blowup (a mechanism signal) neither alerts nor tags, while a
+    reward_collapse does both; naming ratio_blowup in alert_kinds alerts on it too; an unknown kind is refused
+    at start-up naming the field."""
+    from moe_rl.config import FAILURE_KINDS, LoggerConfig
+
+    assert LoggerConfig().alert_kinds == list(FAILURE_KINDS) and "ratio_blowup" not in FAILURE_KINDS
+    wb = open_wandb(tmp_path, {}, mode="offline", project="moe-rl-test", entity=None, group="g", name="n", tags=[])
+    alerts = CollapseAlerts(wb, interval_s=0.0, kinds=LoggerConfig().alert_kinds)
+    alerts.tag_past([_event(0)])
+    sent = [alerts(_event(1)), alerts(_event(2, "reward_collapse"))]
+    wide = CollapseAlerts(wb, interval_s=0.0, kinds=[*FAILURE_KINDS, "ratio_blowup"])
+    sent.append(wide(_event(3)))
+    wb.finish()
+    assert sent == [False, True, True]
+    assert [a.title for a in of_type(tmp_path, "alert")] == ["reward_collapse", "ratio_blowup"]
+    assert list(of_type(tmp_path, "run")[-1].tags) == ["collapsed:reward_collapse", "collapsed:ratio_blowup"]
+    with pytest.raises(ValueError, match=r"logger.alert_kinds=.*unknown kind\(s\) \['ratio'\]"):
+        compose_config(["logger.alert_kinds=[ratio]"])
 
 
 def test_counts_by_kind_counts_every_kind():
@@ -75,15 +96,16 @@ def test_counts_by_kind_counts_every_kind():
               CollapseEvent(1, "nonfinite", float("nan"), float("inf"))]
     counts = counts_by_kind(events)
     assert counts == {"collapse/kind/nonfinite": 1.0, "collapse/kind/reward_collapse": 0.0,
-                      "collapse/kind/entropy_collapse": 0.0, "collapse/kind/ratio_blowup": 2.0}
+                      "collapse/kind/eval_regression": 0.0, "collapse/kind/entropy_collapse": 0.0,
+                      "collapse/kind/ratio_blowup": 2.0}
     assert set(counts) == {f"collapse/kind/{k}" for k in KINDS}
 
 
 @pytest.mark.slow
 def test_unstable_run_alerts_and_tags_each_collapse_kind(tmp_path, warm_overrides):
-    """A run that collapses (lr=10) tags its W&B run collapsed:<kind> for exactly the kinds in events.jsonl,
-    alerts once per kind (rate limit), and logs per-kind counts that match the events."""
-    cfg = compose_config([*TINY, *warm_overrides, "objective=grpo", "trainer.lr=10.0",
+    """A run that collapses (lr=10), alerted on every kind, tags its W&B run collapsed:<kind> for exactly the
+    kinds in events.jsonl, alerts once per kind (rate limit), and logs per-kind counts that match the events."""
+    cfg = compose_config([*TINY, *warm_overrides, "objective=grpo", "trainer.lr=10.0", f"logger.alert_kinds=[{','.join(KINDS)}]",
                           "trainer.warmup_steps=0", "trainer.steps=4", "collapse.warmup_steps=1"])
     summary = train(cfg, tmp_path)
     kinds = {e["kind"] for e in summary["collapse_events"]}

@@ -152,8 +152,8 @@ def test_failing_reward_rows_score_zero_with_a_warning_and_are_counted(tmp_path)
     assert len(messages) == 3 and "dataset row 3 (ZeroDivisionError: boom)" in messages[0]
     assert "dataset row 5" in messages[1] and "returned nan" in messages[1] and "dataset row 6" in messages[2]
     rows = [[s, 2.0, 1.0, float(f)] for s, f in zip(scores, failed, strict=True)]
-    assert rollout_metrics(rows, reward_can_fail=True)["rollout/reward_errors"] == 3.0
-    assert "rollout/reward_errors" not in rollout_metrics(rows)  # a synthetic task's verifier cannot fail
+    assert rollout_metrics(rows, 1, reward_can_fail=True)["rollout/reward_errors"] == 3.0
+    assert "rollout/reward_errors" not in rollout_metrics(rows, 1)  # a synthetic task's verifier cannot fail
 
 
 def test_reward_fn_gets_prompt_response_and_row(tmp_path):

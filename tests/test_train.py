@@ -487,7 +487,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, warm_overrides):
 def test_unstable_config_logs_collapse_events(tmp_path, warm_overrides):
     """A huge learning rate produces collapse events (logged to events.jsonl and the summary), not a crash,
     with per-side-and-sign ratio_blowup counts that match the events' details; stop_on_collapse ends the
-    run early saying so."""
+    run early saying so, at the first event of a kind in collapse.stop_kinds."""
     cfg = compose_config([*TINY, *warm_overrides, "objective=grpo", "trainer.lr=10.0", "trainer.warmup_steps=0",
                           "trainer.steps=4", "collapse.warmup_steps=1", "logger.wandb=false"])
     summary = train(cfg, tmp_path / "a")
@@ -499,9 +499,10 @@ def test_unstable_config_logs_collapse_events(tmp_path, warm_overrides):
         n = sum(e["kind"] == "ratio_blowup" and cell in e["detail"] for e in events)
         assert last[f"collapse/ratio_blowup/{cell.replace('/', '_')}"] == n, cell
     assert all({"high", "low"} & set(e["detail"]) for e in events if e["kind"] == "ratio_blowup")
-    stop = replace(cfg, collapse=replace(cfg.collapse, stop_on_collapse=True))
+    first = summary["collapse_events"][0]  # stop_kinds decides which kinds stop the run
+    stop = replace(cfg, collapse=replace(cfg.collapse, stop_on_collapse=True, stop_kinds=[first["kind"]]))
     summary = train(stop, tmp_path / "b")
-    assert summary["stopped_on_collapse"] is not None
+    assert (summary["stopped_on_collapse"]["step"], summary["stopped_on_collapse"]["kind"]) == (first["step"], first["kind"])
     assert summary["steps_done"] == summary["stopped_on_collapse"]["step"] + 1
 
 

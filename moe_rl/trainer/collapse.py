@@ -1,11 +1,16 @@
-"""Collapse events: detected from each step's metrics, logged with their step and kind.
+"""Collapse events: detected from each step's metrics (and each evaluation's), logged with their step and kind.
 
-| kind | fires when |
-|---|---|
-| `nonfinite` | in some mini-batches of the step, the loss or gradient norm was NaN/inf (those updates are skipped); one event per step, its `detail` maps each non-finite quantity (`train/loss`, `train/grad_norm`) to the number of mini-batches where it was, `value` is the first non-finite value |
-| `reward_collapse` | after `warmup_steps`, the `reward_window`-step moving average of `rollout/reward/mean` falls below `reward_frac` x its best value so far (and the best is > 0); the best is taken over full windows only |
-| `entropy_collapse` | after `warmup_steps`, `rollout/entropy/mean` < `entropy_min` |
-| `ratio_blowup` | `ratio/<r>/max` > `ratio_max` or `ratio/<r>/min` < 1 / `ratio_max` in any mini-batch, where r is the ratio the objective weights its gradient by (`SPECS[name].ratio`: `token` for grpo and cispo, `seq` for gspo, gspo_token and gmpo); a token extreme that a sequence objective averages away is not a blow-up of that objective. One event per step; `value` is the high extreme if it crossed, else the low one; `detail` says which side crossed and with which advantage sign (below) |
+Two kinds say the run is failing (`FAILURE_KINDS`: W&B alerts go to these by default, `logger.alert_kinds`,
+and `collapse.stop_on_collapse` stops on them, `collapse.stop_kinds`); one is a signal of the mechanism
+the paper is about, not a failure by itself (`ratio_blowup`).
+
+| kind | fires when | in runs that go on to learn |
+|---|---|---|
+| `reward_collapse` | the true mean reward has fallen: a one-sided CUSUM on `rollout/reward/mean` with its standard error `rollout/reward/se` (from the group structure), against the level of the `reward_window` steps before (moe_rl.trainer.changepoint), tuned to a fall to `reward_frac` x that level, its threshold set for `reward_arl0` steps between false alarms. After `warmup_steps` + `reward_window` steps | false alarms ≤ 0.033 per 500-step run in every simulated cell (table below) |
+| `eval_regression` | the same test on `eval/expected_accuracy` with `eval/expected_accuracy/se` (over the eval prompts), one observation per evaluation: `eval_frac`, `eval_window` evaluations, `eval_arl0` evaluations between false alarms. Only where expected accuracy is logged (tasks with a canonical answer) | see the table below |
+| `entropy_collapse` | after `warmup_steps`, `rollout/entropy/mean` < `entropy_min`: the sampler has become all but deterministic | once in the committed reports (natural_balanced, a run whose accuracy went to 0) |
+| `nonfinite` | in some mini-batches of the step, the loss or gradient norm was NaN/inf (those updates are skipped); one event per step, its `detail` maps each non-finite quantity (`train/loss`, `train/grad_norm`) to the number of mini-batches where it was, `value` is the first non-finite value | never in the committed reports |
+| `ratio_blowup` (a mechanism signal) | `ratio/<r>/max` > `ratio_max` or `ratio/<r>/min` < 1 / `ratio_max` in any mini-batch, where r is the ratio the objective weights its gradient by (`SPECS[name].ratio`: `token` for grpo and cispo, `seq` for gspo, gspo_token and gmpo); a token extreme that a sequence objective averages away is not a blow-up of that objective. One event per step; `value` is the high extreme if it crossed, else the low one; `detail` says which side crossed and with which advantage sign (below) | often: see "How often ratio_blowup fires" below. It says a token ratio left [1/1000, 1000], which under a PPO clip mostly carries no gradient; it is not a collapse |
 
 A `ratio_blowup` event's `detail` maps `high` (the step's max ratio, if above `ratio_max`) and `low` (its
 min, if below 1 / `ratio_max`) to the extreme, and each side-and-sign cell that crossed too,
@@ -26,35 +31,13 @@ a sequence with s_i > ratio_max and Â_i < 0 keeps the gradient of its tokens ab
 `high/neg_adv` is harmful there too.) `collapse/ratio_blowup/<side>_<sign>_adv` counts the events so far
 in which each cell crossed; `collapse/ratio_blowup/high_neg_adv` is the one that can move the policy far.
 
-How often `reward_collapse` fires on noise alone: `reward_collapse_false_positive_rate` simulates a
-policy whose true reward never moves, at the default batch (8 prompts x 8 completions, so each step's
-mean reward is over 64 rewards) and the default thresholds (warm-up 5, window 5, fraction 0.5), and
-counts the seeds on which it fires at least once (2000 seeds, seed 0; `python
-experiments/reward_collapse_fp.py`; ± one binomial standard error). icc = 0: every reward an
-independent Bernoulli(p). icc = 0.3: prompts differ in difficulty, each prompt's success probability
-drawn from a Beta of mean p so its group's rewards correlate at 0.3, which makes the step mean as
-noisy as ~21 independent rewards rather than 64 (design effect 1 + 7 x 0.3; 0.3 is an assumption, not
-a measurement). "Before" is the detector that took its best from partial windows too (the mean of a
-run's first 1-4 steps, noisier, so a lucky first step set a best the policy never matched again).
+REWARD_TABLE_PLACEHOLDER
 
-| icc | p | steps | before | after (full windows) |
-|---|---|---|---|---|
-| 0 | 0.2 | 30 | 0.020 ± 0.003 | 0.001 ± 0.001 |
-| 0 | 0.2 | 150 | 0.074 ± 0.006 | 0.032 ± 0.004 |
-| 0 | 0.5 | 30, 150 | 0 | 0 |
-| 0.3 | 0.2 | 30 | 0.40 ± 0.01 | 0.26 ± 0.01 |
-| 0.3 | 0.2 | 150 | 0.989 ± 0.002 | 0.985 ± 0.003 |
-| 0.3 | 0.5 | 30 | 0.004 ± 0.001 | 0 |
-| 0.3 | 0.5 | 150 | 0.015 ± 0.003 | 0.002 ± 0.001 |
-
-So at reward ~0.2 and this batch size, a `reward_collapse` is evidence only with independent rewards
-and short runs. With prompts of differing difficulty, as real tasks have, it still fires on a quarter of
-30-step runs and on nearly every 150-step run: the best of 26-146 overlapping 5-step means of a noisy
-series sits far above the series' mean, and half of it is within reach of a low stretch. Read it
-against these rates (or a larger batch), not as a collapse by itself.
-
-Reward and entropy collapse fire once when entered and again only after recovery, so a long
-collapse is one event, not one per step. `collapse/kind/<kind>` counts each kind's events so far.
+Reward collapse, eval regression and entropy collapse fire once when entered and again only after
+recovery, so a long collapse is one event, not one per step (for the two tests, recovery is the CUSUM
+back at 0 and a new reference: moe_rl.trainer.changepoint). `collapse/kind/<kind>` counts each kind's
+events so far. A test's event has `value` the observation that tripped it, `threshold` the reference's
+midpoint (1 + frac)/2 x its level, and `detail` {reference, sigma, cusum, h}.
 """
 
 from __future__ import annotations
@@ -62,12 +45,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-import torch
+from moe_rl.config import COLLAPSE_KINDS, FAILURE_KINDS, CollapseConfig
+from moe_rl.trainer.changepoint import LevelDrop
 
-from moe_rl.config import CollapseConfig
-
-KINDS = ("nonfinite", "reward_collapse", "entropy_collapse", "ratio_blowup")
-
+KINDS = COLLAPSE_KINDS
+assert set(FAILURE_KINDS) <= set(KINDS)
 
 BLOWUP_CELLS = ("high/neg_adv", "low/pos_adv", "high/pos_adv", "low/neg_adv")
 """The side-and-sign cells of a `ratio_blowup` event's detail (see the table above)."""
@@ -97,7 +79,8 @@ class CollapseEvent:
     threshold: float
     detail: dict[str, float] | None = None
     """nonfinite: each non-finite quantity and in how many of the step's mini-batches; ratio_blowup: the
-    sides and side-and-sign cells that crossed, with their extremes (module docstring); else None."""
+    sides and side-and-sign cells that crossed, with their extremes; reward_collapse and eval_regression:
+    the test's reference level, sigma, CUSUM statistic and threshold h (module docstring); else None."""
 
 
 @dataclass
@@ -107,14 +90,22 @@ class CollapseDetector:
     cfg: CollapseConfig
     ratio: str = "token"
     """Which ratio's extremes `ratio_blowup` watches: `token` or `seq` (the objective's, SPECS[name].ratio)."""
-    rewards: list[float] = field(default_factory=list)
-    best_avg: float = -math.inf
-    in_reward_collapse: bool = False
+    reward: LevelDrop | None = None
+    """The reward-collapse test (built from cfg)."""
+    eval: LevelDrop | None = None
+    """The eval-regression test (built from cfg)."""
     in_entropy_collapse: bool = False
     events: list[CollapseEvent] = field(default_factory=list)
     nonfinite_counts: dict[str, int] = field(default_factory=dict)
     """This step's skipped updates so far, by quantity; `observe` turns them into one event."""
     nonfinite_first: float = math.nan
+
+    def __post_init__(self) -> None:
+        c = self.cfg
+        if self.reward is None:
+            self.reward = LevelDrop(c.reward_frac, c.reward_window, c.reward_arl0, c.reward_margin)
+        if self.eval is None:
+            self.eval = LevelDrop(c.eval_frac, c.eval_window, c.eval_arl0, c.eval_margin)
 
     def nonfinite(self, step: int, value: float, quantity: str = "train/loss") -> None:
         """Note a skipped update whose `quantity` (train/loss or train/grad_norm) was `value`, not finite.
@@ -125,7 +116,8 @@ class CollapseDetector:
 
     def observe(self, step: int, metrics: dict[str, float]) -> list[CollapseEvent]:
         """Check one step's metrics (`ratio/<ratio>/max` and `/min` taken over all its mini-batches); return
-        new events."""
+        new events. A step without `rollout/reward/se` (or with NaN there: fewer than two groups) is not
+        a reward-test observation."""
         c, new = self.cfg, []
         if self.nonfinite_counts:
             detail, self.nonfinite_counts = dict(self.nonfinite_counts), {}
@@ -135,21 +127,23 @@ class CollapseDetector:
             new.append(CollapseEvent(step, "ratio_blowup", blowup["high"], c.ratio_max, blowup))
         elif "low" in blowup:
             new.append(CollapseEvent(step, "ratio_blowup", blowup["low"], 1 / c.ratio_max, blowup))
-        self.rewards = (self.rewards + [metrics["rollout/reward/mean"]])[-c.reward_window :]
-        avg = sum(self.rewards) / len(self.rewards)
-        if len(self.rewards) == c.reward_window:  # a partial window's noisier mean would inflate the best
-            self.best_avg = max(self.best_avg, avg)
         if step >= c.warmup_steps:
-            low = self.best_avg > 0 and avg < c.reward_frac * self.best_avg
-            if low and not self.in_reward_collapse:
-                new.append(CollapseEvent(step, "reward_collapse", avg, c.reward_frac * self.best_avg))
-            self.in_reward_collapse = low
+            x = metrics["rollout/reward/mean"]
+            event = _test(self.reward, step, "reward_collapse", x, metrics.get("rollout/reward/se", math.nan))
+            new += [event] if event else []
             entropy = metrics["rollout/entropy/mean"]
             low = entropy < c.entropy_min
             if low and not self.in_entropy_collapse:
                 new.append(CollapseEvent(step, "entropy_collapse", entropy, c.entropy_min))
             self.in_entropy_collapse = low
         return [self._add(e) for e in new]
+
+    def observe_eval(self, step: int, metrics: dict[str, float], prefix: str = "eval/") -> list[CollapseEvent]:
+        """Check one evaluation's `<prefix>expected_accuracy` and its `/se` (absent: no observation);
+        return new events. `prefix` is `eval/initial/` for the evaluation before the first update."""
+        x = metrics.get(f"{prefix}expected_accuracy", math.nan)
+        event = _test(self.eval, step, "eval_regression", x, metrics.get(f"{prefix}expected_accuracy/se", math.nan))
+        return [self._add(event)] if event else []
 
     def _blowup(self, metrics: dict[str, float]) -> dict[str, float]:
         """The `ratio_blowup` detail of one step's extremes: each side and side-and-sign cell beyond the
@@ -182,47 +176,14 @@ class CollapseDetector:
         """Restore from `state_dict()`."""
         for key, value in state.items():
             setattr(self, key, value)
+        self.reward, self.eval = LevelDrop(**state["reward"]), LevelDrop(**state["eval"])
         self.events = [CollapseEvent(**e) for e in state["events"]]
 
 
-def reward_collapse_false_positive_rate(
-    cfg: CollapseConfig,
-    p: float,
-    steps: int,
-    prompts: int = 8,
-    group_size: int = 8,
-    icc: float = 0.0,
-    seeds: int = 2000,
-    seed: int = 0,
-) -> float:
-    """Fraction of `seeds` simulated runs on which `reward_collapse` fires at least once, for a policy whose
-    true reward never moves, fed to a `CollapseDetector` with `cfg` for `steps` steps (ratios 1, entropy 1,
-    so nothing else fires). Every firing is a false positive.
-
-    Each step's `rollout/reward/mean` is the mean of prompts x group_size Bernoulli rewards. icc = 0: all
-    independent with probability p. icc > 0: prompts differ in difficulty, each prompt's success
-    probability drawn fresh every step from Beta(p (1/icc − 1), (1 − p)(1/icc − 1)) (mean p), so its group's
-    rewards share it and icc is their intra-group correlation; icc = 1 makes every group all-0 or all-1."""
-    if not (0 < p < 1 and 0 <= icc <= 1):
-        raise ValueError(f"need 0 < p < 1 and 0 <= icc <= 1, got {p=}, {icc=}")
-    g = torch.Generator().manual_seed(seed)
-    shape = (seeds, steps, prompts, 1)
-    if icc == 0:
-        p_SNP1 = torch.full(shape, p, dtype=torch.float64)
-    elif icc == 1:
-        p_SNP1 = (torch.rand(shape, generator=g, dtype=torch.float64) < p).double()
-    else:
-        kappa = 1 / icc - 1
-        torch.manual_seed(seed)  # torch.distributions draws from the global generator
-        p_SNP1 = torch.distributions.Beta(p * kappa, (1 - p) * kappa).sample(shape).double()
-    hits = torch.rand(seeds, steps, prompts, group_size, generator=g, dtype=torch.float64) < p_SNP1
-    fired = 0
-    for rewards in hits.double().mean((-1, -2)).tolist():
-        det = CollapseDetector(cfg)
-        for step, reward in enumerate(rewards):
-            metrics = {"rollout/reward/mean": reward, "rollout/entropy/mean": 1.0,
-                       "ratio/token/max": 1.0, "ratio/token/min": 1.0}
-            if any(e.kind == "reward_collapse" for e in det.observe(step, metrics)):
-                fired += 1
-                break
-    return fired / seeds
+def _test(test: LevelDrop, step: int, kind: str, x: float, se: float) -> CollapseEvent | None:
+    """Feed one observation to a level test; the event if it fired (detail: the reference it fell from)."""
+    ref = test.reference()
+    if not test.update(x, se):
+        return None
+    mu, sigma, _, h = ref  # a test fires only against a full reference
+    return CollapseEvent(step, kind, x, test.threshold(), {"reference": mu, "sigma": sigma, "cusum": test.s, "h": h})

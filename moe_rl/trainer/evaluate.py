@@ -15,6 +15,7 @@ so `eval.size` and `eval.expected_size` may not exceed them, and "correct" means
 | `eval/accuracy` | fraction of the `eval.size` prompts answered correctly, one response each sampled as in RL (sampler.*) |
 | `eval/response_len` | mean response tokens (EOS included) of those sampled responses |
 | `eval/expected_accuracy` | over the `eval.expected_size` prompts, the mean of π(y* \\| x) = exp Σ_t log π(y*_t \\| x, y*_<t): the teacher-forced probability of the canonical answer y* (`task.solve` tokens, then EOS, as the sampler ends a response; `warmstart.answer_ids`) under softmax(logits / T) at the sampler's temperature T (1 when greedy), exactly as the RL log-probs (moe_rl.rollout.forward); 0 for an answer longer than `sampler.max_new_tokens`. No sampling noise. See below for when it equals the expected sampled accuracy |
+| `eval/expected_accuracy/se` | its standard error over the eval prompts, sd of π(y* \\| x) / sqrt(`eval.expected_size`): the noise scale of the `eval_regression` collapse test |
 | `eval/accuracy_greedy` | fraction of the `eval.expected_size` prompts answered correctly by greedy decoding |
 | `eval/initial/<name>` | each of the above, of the policy before the first update (step 0's row only, with `eval.at_start`) |
 | `time/eval_s` | wall seconds of the evaluation(s) logged in the row |
@@ -152,7 +153,12 @@ def evaluate(
                                             sampler_cfg.temperature or 1.0, sampler_cfg.max_new_tokens))
                 gen = torch.Generator(device).manual_seed(eval_cfg.seed)  # unused by greedy decoding
                 texts += sample(model, tokenizer, prompts[c], greedy_cfg, generator=gen).texts
-            out["eval/expected_accuracy"] = torch.cat(logp).exp().mean().item()
+            prob_N = torch.cat(logp).exp()
+            out["eval/expected_accuracy"] = prob_N.mean().item()
+            # Its standard error over the eval prompts (sample sd / sqrt(N)): the noise scale of the
+            # eval-regression test (moe_rl.trainer.collapse). NaN for one prompt.
+            n = len(prob_N)
+            out["eval/expected_accuracy/se"] = (prob_N.double().std() / n**0.5).item() if n > 1 else float("nan")
             out["eval/accuracy_greedy"] = _accuracy(task, examples[: eval_cfg.expected_size], texts)
     finally:
         model.train(was_training)

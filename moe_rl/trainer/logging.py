@@ -13,6 +13,7 @@ import os
 import time
 import uuid
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -209,12 +210,13 @@ def open_wandb(run_dir: Path, config: dict, **kwargs: Any) -> Wandb | NullWandb:
 class CollapseAlerts:
     """Turns collapse events into W&B alerts and `collapsed:<kind>` run tags.
 
+    Only events of a kind in `kinds` (`logger.alert_kinds`) alert or tag; the others are logged only.
     Rate-limited per kind: an event within `interval_s` seconds of the last alert of its kind sends none
-    (a run that keeps blowing up sends one alert, not one per step). Each kind's tag is added once.
+    (a run that keeps failing sends one alert, not one per step). Each kind's tag is added once.
     """
 
-    def __init__(self, wb: Wandb | NullWandb, interval_s: float, clock=time.monotonic) -> None:
-        self.wb, self.interval_s, self.clock = wb, interval_s, clock
+    def __init__(self, wb: Wandb | NullWandb, interval_s: float, kinds: Iterable[str], clock=time.monotonic) -> None:
+        self.wb, self.interval_s, self.kinds, self.clock = wb, interval_s, frozenset(kinds), clock
         self.last_sent: dict[str, float] = {}
         self.tagged: set[str] = set()
 
@@ -222,13 +224,16 @@ class CollapseAlerts:
         """On resume: tag the kinds of the events before the checkpoint again (no alerts), since the
         resumed W&B run starts from the tags given to `wandb.init`."""
         for kind in dict.fromkeys(e["kind"] for e in events):
-            if kind not in self.tagged:
+            if kind in self.kinds and kind not in self.tagged:
                 self.wb.add_tag(f"collapsed:{kind}")
                 self.tagged.add(kind)
 
     def __call__(self, event: dict) -> bool:
-        """Alert (unless rate-limited) and tag for one event {step, kind, value, threshold}; True if sent."""
+        """Alert (unless rate-limited) and tag for one event {step, kind, value, threshold}; True if sent.
+        An event of a kind not in `kinds` does neither (False)."""
         kind = event["kind"]
+        if kind not in self.kinds:
+            return False
         if kind not in self.tagged:
             self.wb.add_tag(f"collapsed:{kind}")
             self.tagged.add(kind)

@@ -42,7 +42,7 @@ from moe_rl.trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from moe_rl.trainer.collapse import CollapseDetector, blowup_counts, counts_by_kind
+from moe_rl.trainer.collapse import CollapseDetector, CollapseEvent, blowup_counts, counts_by_kind
 from moe_rl.trainer.distributed import (
     Dist,
     check_world,
@@ -199,6 +199,11 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     return ctx, info
 
 
+def _first_of(events: list[CollapseEvent], step: int, kinds: set[str]) -> dict | None:
+    """The first of `step`'s events whose kind is in `kinds` (the ones the run stops on), as a dict."""
+    return next((dataclasses.asdict(e) for e in events if e.step == step and e.kind in kinds), None)
+
+
 def _state(ctx: StepContext, next_step: int, hydra: dict[str, str]) -> dict:
     """Everything to resume from; under FSDP a collective (the full state dicts are gathered to rank 0)."""
     model_sd, optimizer_sd = state_dicts(ctx.model, ctx.optimizer, ctx.sharded)
@@ -290,7 +295,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             tags=tags,
             init_timeout_s=lg.init_timeout_s,
         )
-    alerts = CollapseAlerts(wb if lg.alerts else NullWandb(), lg.alert_interval_s)
+    alerts = CollapseAlerts(wb if lg.alerts else NullWandb(), lg.alert_interval_s, lg.alert_kinds)
     alerts.tag_past([dataclasses.asdict(e) for e in ctx.detector.events])
     stopped_on = None
     t0 = time.perf_counter()
@@ -311,21 +316,26 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     )
     # Before the first update, in step 0's row. A resumed run (start > 0) kept that row: not repeated.
     initial = initial_metrics(evaluation()) if start == 0 and cfg.eval.enabled and cfg.eval.at_start else {}
+    stops = set(cfg.collapse.stop_kinds) if cfg.collapse.stop_on_collapse else set()
     for step in bar:
         metrics = rl_step(ctx, step)
         if step == start and initial:
             metrics.update(initial)
-        metrics.update(counts_by_kind(ctx.detector.events))
-        metrics.update(blowup_counts(ctx.detector.events))
+            ctx.detector.observe_eval(step, initial, prefix="eval/initial/")  # the reference's first point
         steps_done = step + 1
-        new = [e for e in ctx.detector.events if e.step == step]
         last = step + 1 == cfg.trainer.steps
-        if new and cfg.collapse.stop_on_collapse:
-            stopped_on = dataclasses.asdict(new[0])
+        stopped_on = _first_of(ctx.detector.events, step, stops)
         if cfg.eval.due(step, last or bool(stopped_on)):
             after = evaluation()
             after["time/eval_s"] += metrics.get("time/eval_s", 0.0)  # the initial eval's, in step 0's row
             metrics.update(after)
+            ctx.detector.observe_eval(step, after)
+            stopped_on = stopped_on or _first_of(ctx.detector.events, step, stops)
+        new = [e for e in ctx.detector.events if e.step == step]
+        metrics["collapse/events"] = float(len(ctx.detector.events))
+        metrics["collapse/new_events"] = float(len(new))
+        metrics.update(counts_by_kind(ctx.detector.events))
+        metrics.update(blowup_counts(ctx.detector.events))
         local.log(step, metrics)
         wb.log(metrics, step=step)
         for event in new:

@@ -496,7 +496,8 @@ def _reduced_metrics(
             "margins": margins,
         }
     )
-    metrics = rollout_metrics([row for r in ranks for row in r["rows"]], ctx.task.reward_can_fail)
+    metrics = rollout_metrics([row for r in ranks for row in r["rows"]], ctx.cfg.trainer.group_size,
+                              ctx.task.reward_can_fail)
     M = len(slices)
     mb_counts = [[r["mb_counts"][j] for r in ranks] for j in range(M)]
     per_mb = [S.values(S.combine([r["per_mb"][j] for r in ranks])) for j in range(M)]

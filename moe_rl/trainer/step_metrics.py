@@ -52,13 +52,21 @@ def ratio_extremes(per_mb: list[dict[str, float]]) -> dict[str, float]:
             out[key] = (max if key.endswith("/max") else min)(values) if values else math.nan
     return out
 
-def rollout_metrics(rows: list[list[float]], reward_can_fail: bool = False) -> dict[str, float]:
-    """Rollout metrics over all ranks' rows, each row (reward, response tokens, summed token entropy,
-    reward failed 0/1); `rollout/reward_errors` only for a task whose reward can fail (`Task.reward_can_fail`)."""
+def rollout_metrics(rows: list[list[float]], group_size: int, reward_can_fail: bool = False) -> dict[str, float]:
+    """Rollout metrics over all ranks' rows in prompt-major order (each prompt's `group_size` completions
+    next to each other), each row (reward, response tokens, summed token entropy, reward failed 0/1);
+    `rollout/reward_errors` only for a task whose reward can fail (`Task.reward_can_fail`).
+
+    `rollout/reward/se`, the standard error of the step's mean reward, is sd(group means) / sqrt(P) over
+    the P groups (sample sd): the group means are independent draws, and their spread carries both the
+    sampling noise and the prompts' differing difficulty (the intra-group correlation). NaN for P < 2."""
     reward_B, length_B, entropy_B, failed_B = torch.tensor(rows, dtype=torch.float64).T
+    group_means_P = reward_B.view(-1, group_size).mean(1)
+    P = len(group_means_P)
     out = {
         "rollout/reward/mean": reward_B.mean().item(),
         "rollout/reward/std": reward_B.std().item(),
+        "rollout/reward/se": (group_means_P.std() / math.sqrt(P)).item() if P > 1 else math.nan,
         "rollout/accuracy": (reward_B == 1).double().mean().item(),
         "rollout/response_len/mean": length_B.mean().item(),
         "rollout/entropy/mean": (entropy_B.sum() / length_B.sum()).item(),

@@ -1,0 +1,132 @@
+"""A sequential test for a fall of a noisy level: a one-sided CUSUM against a trailing reference, with the
+noise scale each observation brings and a threshold set by the in-control average run length.
+
+The reward-collapse and eval-regression events (moe_rl.trainer.collapse) are this test, fed respectively
+each step's mean reward with its standard error from the group structure, and each evaluation's expected
+accuracy with its standard error over the eval prompts.
+
+Notation: x_t is an observation and s_t its standard error (so s_t² is its sampling variance). The
+reference is the last W observations before the current excursion: level μ = mean x, noise scale
+σ = sqrt(mean s² · (1 + 1/W)) (the per-observation error, inflated by the error of μ itself, since
+x_t − μ has variance s² + s²/W). The test is tuned to a fall to f·μ (`frac`): the allowance is half of it,
+k = (1 − f) μ / (2σ) in units of σ, and the statistic is Page's CUSUM for a decrease (Page 1954),
+
+    S_t = max(0, S_{t−1} + (μ − x_t) / σ − k),
+
+which fires when S_t > h. h is set from k so that, for Gaussian noise of known level, the average run
+length between false alarms of a level that never moves is `arl0` observations, by Siegmund's
+approximation ARL(k, h) ≈ (exp(2kb) − 2kb − 1) / (2k²), b = h + 1.166 (Siegmund 1985; ARL → b² as k → 0).
+The false-alarm probability over a run of T observations is then about T / arl0; the real one, with an
+estimated reference and binomial rewards, is measured by simulation in experiments/reward_collapse_fp.py.
+
+Bookkeeping:
+- The first W observations fill the reference; nothing fires before.
+- While S > 0 (an excursion: evidence of a fall accumulating) the reference is frozen, so a fall cannot
+  pull the reference down with it; when S returns to 0 without firing, the excursion's observations join
+  the reference (the last W are kept), so the reference tracks a level that rises or drifts slowly.
+- On firing the test is "in a drop", S is capped at h so that leaving the drop needs about h / (shift)
+  observations back above the reference's midpoint (1 + f) μ / 2, not as many as the fall lasted. When S
+  returns to 0 the drop is over (recovery): the reference is rebuilt from the next W observations, and only
+  then can it fire again. So a long fall is one event.
+- An observation whose error is not finite (NaN: fewer than two groups, or a metric a log does not have)
+  is skipped. A reference whose level is ≤ 0 or whose σ is 0 (every observation the same, no noise) tests
+  nothing: a level of 0 cannot fall, and a noiseless one gives no scale; the observation joins the
+  reference instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+SIEGMUND_OFFSET = 1.166
+"""b = h + 1.166 in Siegmund's approximation: the correction for the overshoot of the boundary."""
+
+
+def siegmund_arl(k: float, h: float) -> float:
+    """Average run length of Page's one-sided CUSUM with allowance k and threshold h (both in units of the
+    noise's standard deviation) when the mean sits at the reference (Siegmund's approximation)."""
+    b = h + SIEGMUND_OFFSET
+    if k < 1e-8:
+        return b * b
+    x = 2 * k * b
+    return (math.expm1(x) - x) / (2 * k * k)
+
+
+def cusum_threshold(k: float, arl0: float) -> float:
+    """The threshold h ≥ 0 at which `siegmund_arl(k, h)` equals `arl0` (bisection; the ARL grows with h)."""
+    lo, hi = 0.0, 1.0
+    while siegmund_arl(k, hi) < arl0:
+        hi *= 2
+    if siegmund_arl(k, lo) >= arl0:
+        return 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if siegmund_arl(k, mid) < arl0 else (lo, mid)
+    return hi
+
+
+@dataclass
+class LevelDrop:
+    """Page's CUSUM for a fall of a level to `frac` of a trailing reference (module docstring). Its state
+    is plain data (lists and floats), so it is saved in checkpoints as it is."""
+
+    frac: float
+    """The fall the test is tuned to detect: the level at `frac` x its reference."""
+    window: int
+    """W: observations in the reference."""
+    arl0: float
+    """Average run length between false alarms the threshold is set for (observations)."""
+    margin: float = 1.0
+    """z: the reference level is taken z standard errors of its own mean below μ̂ (a lower bound)."""
+    ref: list[list[float]] = field(default_factory=list)
+    """The reference's last W observations, each [x, s²]."""
+    excursion: list[list[float]] = field(default_factory=list)
+    """Observations since S left 0 (the last W are enough: they are all that can join the reference)."""
+    s: float = 0.0
+    in_drop: bool = False
+
+    def reference(self) -> tuple[float, float, float, float] | None:
+        """(μ, σ, k, h) of the current reference; None while it is not full or cannot test (level ≤ 0 or
+        σ = 0)."""
+        if len(self.ref) < self.window:
+            return None
+        mu = sum(x for x, _ in self.ref) / len(self.ref)
+        sigma = math.sqrt(sum(v for _, v in self.ref) / len(self.ref) * (1 + 1 / len(self.ref)))
+        if mu <= 0 or sigma == 0:
+            return None
+        k = (1 - self.frac) * mu / (2 * sigma)
+        mu_lo = mu - self.margin * sigma / math.sqrt(len(self.ref))
+        return mu_lo, sigma, k, cusum_threshold(k, self.arl0)
+
+    def update(self, x: float, se: float) -> bool:
+        """Take one observation x with standard error se; True when the test fires (enters a drop)."""
+        if not (math.isfinite(x) and math.isfinite(se)):
+            return False
+        obs = [x, se * se]
+        ref = self.reference()
+        if ref is None:
+            self.ref = (self.ref + [obs])[-self.window :]
+            return False
+        mu, sigma, k, h = ref
+        self.s = max(0.0, self.s + (mu - x) / sigma - k)
+        fired = False
+        if self.in_drop:
+            self.s = min(self.s, h)
+            if self.s == 0.0:  # recovered: the next W observations make a new reference
+                self.in_drop, self.ref, self.excursion = False, [], []
+            return False
+        if self.s > h:
+            self.in_drop, fired, self.s, self.excursion = True, True, h, []
+        elif self.s == 0.0:
+            self.ref = (self.ref + self.excursion + [obs])[-self.window :]
+            self.excursion = []
+        else:
+            self.excursion = (self.excursion + [obs])[-self.window :]
+        return fired
+
+    def threshold(self) -> float:
+        """The level whose crossing the statistic accumulates: the reference's midpoint (1 + frac) μ / 2
+        (NaN without a reference); an event's `threshold`."""
+        ref = self.reference()
+        return (1 + self.frac) / 2 * ref[0] if ref else math.nan
