@@ -30,12 +30,7 @@ def reference_cusum(xs, ses, frac, window, arl0, margin):
             ref = (ref + [(x, se * se)])[-window:]
             continue
         k = (1 - frac) * mu / (2 * sigma)
-        b = np.sqrt(arl0) if k < 1e-8 else None
-        # h from Siegmund's ARL(k, h) = (exp(2k(h + 1.166)) - 2k(h + 1.166) - 1) / (2k^2) = arl0, by brentq
-        from scipy.optimize import brentq
-
-        f = (lambda bb: bb * bb - arl0) if b is not None else (lambda bb: (np.expm1(2 * k * bb) - 2 * k * bb) / (2 * k * k) - arl0)
-        h = max(0.0, brentq(f, 1e-9, 300 / max(k, 0.1)) - 1.166) if f(1.166) < 0 else 0.0
+        h = reference_threshold(k, arl0)
         s = max(0.0, s + (mu - margin * sigma / np.sqrt(window) - x) / sigma - k)
         if drop:
             s = min(s, h)
@@ -49,6 +44,17 @@ def reference_cusum(xs, ses, frac, window, arl0, margin):
         else:
             exc = (exc + [(x, se * se)])[-window:]
     return fired
+
+
+def reference_threshold(k, arl0):
+    """h solving Siegmund's ARL(k, h) = (exp(2kb) - 2kb - 1) / (2k^2) = arl0, b = h + 1.166 (b^2 as k -> 0),
+    by scipy's brentq; 0 when even h = 0 exceeds arl0."""
+    from scipy.optimize import brentq
+
+    def excess(b):
+        return b * b - arl0 if k < 1e-8 else (np.expm1(2 * k * b) - 2 * k * b) / (2 * k * k) - arl0
+
+    return max(0.0, brentq(excess, 1e-9, 300 / max(k, 0.1)) - 1.166) if excess(1.166) < 0 else 0.0
 
 
 def simulated_rewards(p, steps, prompts, group, icc, seed, fall_at=None, fall_to=1.0):
