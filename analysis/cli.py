@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from analysis.load import load_local, load_wandb
+from analysis.recount import recount
 from analysis.report import write_report
 
 
@@ -56,6 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="collapse-rate permutation test: exact when the seed splits number at most N, else N random "
         "splits seeded with 0 (default 10000)",
     )
+    parser.add_argument(
+        "--recount",
+        action="store_true",
+        help="re-count reward_collapse and eval_regression events with the current detector from the logged "
+        "metrics before any table (analysis.recount; for runs logged before it)",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.smooth < 1:
         parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
@@ -83,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         sources = [str(d) for d in args.sweep_dirs]
     if not runs:
         raise SystemExit(f"no runs with metrics found in {', '.join(sources)}")
+    if args.recount:
+        runs = [recount(run) for run in runs]
+        sources = [*sources, "collapse events re-counted with the current detector (analysis.recount)"]
     title = args.title or f"moe-rl sweep: {', '.join(sources)}"
     report = write_report(runs, args.out, title, sources, smooth=args.smooth, permutations=args.permutations)
     print(f"{len(runs)} runs -> {report}")

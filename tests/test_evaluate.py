@@ -3,6 +3,8 @@
 import copy
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -99,13 +101,16 @@ def test_evaluate_reports_every_key_and_is_independent_of_batch_size(tokenizer):
     sc = SamplerConfig(max_new_tokens=4)
     whole = evaluate(model, tokenizer, task, prompts, examples, sc, EvalConfig(size=5, expected_size=12, batch_size=64))
     split = evaluate(model, tokenizer, task, prompts, examples, sc, EvalConfig(size=5, expected_size=12, batch_size=5))
-    assert set(whole) == {"eval/accuracy", "eval/response_len", "eval/expected_accuracy", "eval/accuracy_greedy",
-                          "time/eval_s"}
+    assert set(whole) == {"eval/accuracy", "eval/response_len", "eval/expected_accuracy", "eval/expected_accuracy/se",
+                          "eval/accuracy_greedy", "time/eval_s"}
     for key in ("eval/accuracy", "eval/response_len", "eval/accuracy_greedy"):
         assert whole[key] == split[key], key
     assert math.isclose(whole["eval/expected_accuracy"], split["eval/expected_accuracy"], rel_tol=1e-5)
     p_B = answer_logprobs(model, tokenizer, task, prompts, examples, 1.0, 4).exp()
     assert math.isclose(whole["eval/expected_accuracy"], p_B.mean().item(), rel_tol=1e-6)
+    # its standard error over the 12 prompts, against float64 numpy (sample sd / sqrt(n))
+    ref_se = np.asarray(p_B, dtype=np.float64).std(ddof=1) / np.sqrt(12)
+    assert math.isclose(whole["eval/expected_accuracy/se"], ref_se, rel_tol=1e-5) and ref_se > 0
     assert 0 < whole["eval/expected_accuracy"] < 1
     only_sampled = evaluate(model, tokenizer, task, prompts, examples, sc, EvalConfig(size=5, expected_size=0))
     assert set(only_sampled) == {"eval/accuracy", "eval/response_len", "time/eval_s"}

@@ -25,6 +25,7 @@ finite metrics of the last step.
 | key | meaning |
 |---|---|
 | `rollout/reward/mean`, `rollout/reward/std` | reward over the P x G completions |
+| `rollout/reward/se` | standard error of `rollout/reward/mean` from the group structure: sd of the P group means / sqrt(P) (so it carries the prompts' differing difficulty); NaN for P = 1. The noise scale of the `reward_collapse` test (collapse.py) |
 | `rollout/accuracy` | fraction of completions with reward 1 |
 | `rollout/reward_errors` | task=dataset only: completions whose reward failed (`task.reward_fn` or the verifier raised, or returned a non-finite or non-numeric value) and so scored 0, each with a warning naming its dataset row; summed over ranks (moe_rl.tasks.dataset). Synthetic verifiers cannot fail and log no such key |
 | `rollout/response_len/mean` | response tokens (EOS included) |
@@ -69,7 +70,7 @@ finite metrics of the last step.
 | `minibatch/duplicate_frac` | over rows of mini-batches 2..M: the fraction whose whole sequence (prompt and response) equals a row of an earlier mini-batch of the step |
 | `mismatch/logp_abs_diff/mean` | mean \\|sampler log-prob - old-policy log-prob\\| over response tokens, where the old-policy log-probs are those the objective uses as π_old, under the arm's replay (R3 replays the sampler's routing there; 0 by construction with `trainer.reuse_sampler_logp`) |
 | `collapse/events`, `collapse/new_events` | collapse events so far, and those of this step (see collapse.py; at most one `nonfinite` event per step, its `detail` counting the mini-batches with a non-finite `train/loss` or `train/grad_norm`) |
-| `collapse/kind/{kind}` | collapse events of each kind so far (`nonfinite`, `reward_collapse`, `entropy_collapse`, `ratio_blowup`; 0 until one fires) |
+| `collapse/kind/{kind}` | collapse events of each kind so far (`nonfinite`, `reward_collapse`, `eval_regression`, `entropy_collapse`, `ratio_blowup`; 0 until one fires). `collapse/events` and these count an `eval_regression` in the row of the step whose evaluation found it |
 | `collapse/ratio_blowup/{side}_{sign}_adv` | `ratio_blowup` events so far in which the side (`high`: ratio > `collapse.ratio_max`; `low`: < 1 / ratio_max) crossed on entries with that advantage sign (`pos`, `neg`); `high_neg_adv` is the case whose gradient is large under a PPO clip (collapse.py) |
 | `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages (`time/old_forward_s` is ~0 with `trainer.reuse_sampler_logp`) |
 | `throughput/tokens_per_s` | (prompt + response tokens of the batch) / step seconds |
@@ -77,6 +78,7 @@ finite metrics of the last step.
 | `throughput/sampler_tokens_per_s` | response tokens sampled / rollout seconds |
 | `eval/accuracy`, `eval/response_len` | held-out evaluation (moe_rl.trainer.evaluate), only on the steps it runs (every `eval.every` steps and the last): sampled as in RL on the first `eval.size` eval prompts |
 | `eval/expected_accuracy` | mean over the first `eval.expected_size` eval prompts of the teacher-forced probability exp Σ_t log π(y*_t) of the canonical answer y* (EOS included) at the sampler's temperature, untruncated: the expected sampled accuracy without sampling noise where y* is the only correct answer and top_p = 1 (arithmetic, sort, sort_long); a lower bound for countdown (moe_rl.trainer.evaluate) |
+| `eval/expected_accuracy/se` | its standard error over those prompts, sd / sqrt(`eval.expected_size`): the noise scale of the `eval_regression` test |
 | `eval/accuracy_greedy` | greedy decoding on the same `eval.expected_size` prompts |
 | `eval/initial/*` | the eval keys above for the policy before the first update, in step 0's row only (`eval.at_start`); a resumed run keeps its first session's |
 | `time/eval_s` | wall seconds of the row's evaluations (the initial one included in step 0's row) |

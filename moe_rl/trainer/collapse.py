@@ -129,7 +129,7 @@ class CollapseDetector:
             new.append(CollapseEvent(step, "ratio_blowup", blowup["low"], 1 / c.ratio_max, blowup))
         if step >= c.warmup_steps:
             x = metrics["rollout/reward/mean"]
-            event = _test(self.reward, step, "reward_collapse", x, metrics.get("rollout/reward/se", math.nan))
+            event = level_event(self.reward, step, "reward_collapse", x, metrics.get("rollout/reward/se", math.nan))
             new += [event] if event else []
             entropy = metrics["rollout/entropy/mean"]
             low = entropy < c.entropy_min
@@ -142,7 +142,7 @@ class CollapseDetector:
         """Check one evaluation's `<prefix>expected_accuracy` and its `/se` (absent: no observation);
         return new events. `prefix` is `eval/initial/` for the evaluation before the first update."""
         x = metrics.get(f"{prefix}expected_accuracy", math.nan)
-        event = _test(self.eval, step, "eval_regression", x, metrics.get(f"{prefix}expected_accuracy/se", math.nan))
+        event = level_event(self.eval, step, "eval_regression", x, metrics.get(f"{prefix}expected_accuracy/se", math.nan))
         return [self._add(event)] if event else []
 
     def _blowup(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -180,8 +180,9 @@ class CollapseDetector:
         self.events = [CollapseEvent(**e) for e in state["events"]]
 
 
-def _test(test: LevelDrop, step: int, kind: str, x: float, se: float) -> CollapseEvent | None:
-    """Feed one observation to a level test; the event if it fired (detail: the reference it fell from)."""
+def level_event(test: LevelDrop, step: int, kind: str, x: float, se: float) -> CollapseEvent | None:
+    """Feed one observation x (standard error se) to a level test; the `kind` event at `step` if it fired
+    (detail: the reference it fell from). CollapseDetector calls it for both tests; analysis.recount too."""
     ref = test.reference()
     if not test.update(x, se):
         return None
