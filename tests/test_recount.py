@@ -5,7 +5,6 @@ import json
 import math
 from dataclasses import asdict, replace
 
-import pytest
 from test_train import TINY, compose_config
 
 from analysis.cli import main as analyze
