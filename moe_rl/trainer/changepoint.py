@@ -54,16 +54,21 @@ def siegmund_arl(k: float, h: float) -> float:
 
 
 def cusum_threshold(k: float, arl0: float) -> float:
-    """The threshold h ≥ 0 at which `siegmund_arl(k, h)` equals `arl0` (bisection; the ARL grows with h)."""
-    lo, hi = 0.0, 1.0
-    while siegmund_arl(k, hi) < arl0:
-        hi *= 2
-    if siegmund_arl(k, lo) >= arl0:
+    """The threshold h ≥ 0 at which `siegmund_arl(k, h)` equals `arl0`: Newton's method on log ARL in
+    b = h + 1.166 (the ARL increases with b), from the asymptotic start b ≈ log(2k² arl0) / (2k), or
+    sqrt(arl0) as k → 0; a few steps reach float precision. 0 when even h = 0 exceeds arl0."""
+    if siegmund_arl(k, 0.0) >= arl0:
         return 0.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if siegmund_arl(k, mid) < arl0 else (lo, mid)
-    return hi
+    small = k < 1e-8
+    b = math.sqrt(arl0) if small else max(math.log(2 * k * k * arl0 + 1) / (2 * k), SIEGMUND_OFFSET)
+    for _ in range(100):
+        arl = siegmund_arl(k, b - SIEGMUND_OFFSET)
+        slope = 2 * b if small else math.expm1(2 * k * b) / k  # d ARL / d b
+        step = (math.log(arl) - math.log(arl0)) * arl / slope
+        b = max(b - step, SIEGMUND_OFFSET)
+        if abs(step) <= 1e-13 * b:
+            break
+    return b - SIEGMUND_OFFSET
 
 
 @dataclass
