@@ -1,7 +1,7 @@
 """False alarms and detection power of the `reward_collapse` and `eval_regression` tests, old rule against
 new, by simulation.
 
-    python experiments/reward_collapse_fp.py                 # the tables in docs/reliability.md (1000 seeds), ~20 min
+    python experiments/reward_collapse_fp.py                 # the tables in docs/reliability.md (1000 seeds), ~13 min
     python experiments/reward_collapse_fp.py --seeds 300     # quicker, noisier (± 0.013 at a rate of 0.05)
 
 Rewards. Each step's reward is the mean of P x G Bernoulli rewards (P prompts, G = 8 completions each).
