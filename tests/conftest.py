@@ -40,9 +40,6 @@ tests/test_warmstart.py.
 """
 
 
-KEEP_MARKER = "<!-- Below: written by hand; --reliability-report keeps it. -->"
-
-
 @pytest.fixture(scope="session")
 def _fault_rows(request):
     rows: list[tuple[str, str, str]] = []
@@ -51,12 +48,8 @@ def _fault_rows(request):
     if path and rows:
         cell = lambda text: text.replace("|", "\\|").replace("\n", " ")  # noqa: E731
         body = "".join(f"| {cell(a)} | {cell(b)} | {cell(c)} |\n" for a, b, c in rows)
-        kept = ""  # the hand-written part below the marker survives a regeneration of the table
-        if os.path.exists(path):
-            text = open(path).read()
-            kept = text[text.index(KEEP_MARKER) - 1 :] if KEEP_MARKER in text else ""
         with open(path, "w") as f:
-            f.write(REPORT_HEADER + body + kept)
+            f.write(REPORT_HEADER + body)
 
 
 @pytest.fixture
