@@ -33,12 +33,12 @@ def reference_cusum(xs, ses, frac, window, arl0, margin):
         h = reference_threshold(k, arl0)
         s = max(0.0, s + (mu - margin * sigma / np.sqrt(window) - x) / sigma - k)
         if drop:
-            s = min(s, h)
             if s == 0:
                 drop, ref, exc = False, [], []
+            s = min(s, h)
         elif s > h:
             fired.append(t)
-            drop, s, exc = True, h, []
+            drop, exc = True, []
         elif s == 0:
             ref, exc = (ref + exc + [(x, se * se)])[-window:], []
         else:
@@ -88,6 +88,7 @@ def test_threshold_inverts_siegmunds_formula():
         assert siegmund_arl(k, h) == pytest.approx(2e4, rel=1e-9)
         assert siegmund_arl(k, h + 0.1) > siegmund_arl(k, h)
     assert siegmund_arl(0.0, 2.0) == pytest.approx((2 + 1.166) ** 2)
+    assert siegmund_arl(1e4, 0.0) == math.inf and cusum_threshold(1e4, 2e4) == 0.0  # no overflow
 
 
 @pytest.mark.parametrize("icc, p, fall_to", [(0.3, 0.2, 0.25), (0.5, 0.5, 0.5), (0.3, 0.2, 1.0), (0.3, 0.1, 0.0)])
@@ -137,6 +138,16 @@ def test_fires_once_per_collapse_and_again_after_recovery():
     assert event.kind == "reward_collapse" and event.value == 0.05
     assert event.detail["reference"] == pytest.approx(0.4 - 0.03 * math.sqrt(1 + 1 / 20) / math.sqrt(20))
     assert event.threshold == pytest.approx(0.75 * event.detail["reference"])
+
+
+def test_a_drop_with_no_threshold_ends_only_when_the_level_is_back():
+    """With noise so small that h = 0 (one low observation fires), the drop lasts while observations stay
+    below the reference's midpoint and ends at the first one back up; then a new reference fills and a
+    second fall fires again."""
+    test = LevelDrop(0.5, 3, 1e3)
+    series = [0.4] * 3 + [0.1] * 4 + [0.4] + [0.4] * 3 + [0.1]
+    fired = [t for t, x in enumerate(series) if test.update(x, 1e-4)]
+    assert test.reference() is not None and fired == [3, 11]
 
 
 def test_missing_or_nan_se_is_not_an_observation():

@@ -24,10 +24,12 @@ Bookkeeping:
 - While S > 0 (an excursion: evidence of a fall accumulating) the reference is frozen, so a fall cannot
   pull the reference down with it; when S returns to 0 without firing, the excursion's observations join
   the reference (the last W are kept), so the reference tracks a level that rises or drifts slowly.
-- On firing the test is "in a drop", S is capped at h so that leaving the drop needs about h / (shift)
-  observations back above the reference's midpoint (1 + f) μ / 2, not as many as the fall lasted. When S
-  returns to 0 the drop is over (recovery): the reference is rebuilt from the next W observations, and only
-  then can it fire again. So a long fall is one event.
+- On firing the test is "in a drop". From the next observation on, S is capped at h after each update,
+  so that leaving the drop needs about h / (shift) observations back above the reference's midpoint
+  (1 + f) μ / 2, not as many as the fall lasted. When an update brings S to 0 (before the cap: with h = 0
+  that is one observation at or above μ − kσ, never one still below it) the drop is over (recovery): the
+  reference is rebuilt from the next W observations, and only then can it fire again. So a long fall is
+  one event.
 - An observation whose error is not finite (NaN: fewer than two groups, or a metric a log does not have)
   is skipped. A reference whose level is ≤ 0 or whose σ is 0 (every observation the same, no noise) tests
   nothing: a level of 0 cannot fall, and a noiseless one gives no scale; the observation joins the
@@ -50,6 +52,8 @@ def siegmund_arl(k: float, h: float) -> float:
     if k < 1e-8:
         return b * b
     x = 2 * k * b
+    if x > 700:  # beyond float range: no threshold is needed (a large fall in units of a tiny noise)
+        return math.inf
     return (math.expm1(x) - x) / (2 * k * k)
 
 
@@ -117,12 +121,12 @@ class LevelDrop:
         self.s = max(0.0, self.s + (mu - x) / sigma - k)
         fired = False
         if self.in_drop:
-            self.s = min(self.s, h)
             if self.s == 0.0:  # recovered: the next W observations make a new reference
                 self.in_drop, self.ref, self.excursion = False, [], []
+            self.s = min(self.s, h)
             return False
         if self.s > h:
-            self.in_drop, fired, self.s, self.excursion = True, True, h, []
+            self.in_drop, fired, self.excursion = True, True, []
         elif self.s == 0.0:
             self.ref = (self.ref + self.excursion + [obs])[-self.window :]
             self.excursion = []
