@@ -25,7 +25,14 @@ import numpy as np
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from moe_rl.trainer.compare import NOT_A_GROUP, NOT_A_GROUP_PREFIXES, BrokenRunError, read_run, splits_groups
+from moe_rl.trainer.compare import (
+    NOT_A_GROUP,
+    NOT_A_GROUP_PREFIXES,
+    BrokenRunError,
+    read_run,
+    set_aside,
+    splits_groups,
+)
 from moe_rl.trainer.logging import CorruptLogError, read_jsonl
 
 # Fields that never define a group (the library's list, shared with moe-rl-compare's table).
@@ -119,9 +126,13 @@ def find_run_dirs(sweep_dirs: Iterable[Path]) -> list[Path]:
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: no such folder")
         for summary in root.rglob("summary.json"):
-            if not (summary.parent / "metrics.jsonl").exists() and ".hydra" not in summary.parts:
+            if set_aside(summary.relative_to(root)):
+                continue
+            if not (summary.parent / "metrics.jsonl").exists():
                 warnings.warn(f"skipping {summary.parent}: no metrics.jsonl", RuntimeWarning, stacklevel=2)
         for metrics in root.rglob("metrics.jsonl"):
+            if set_aside(metrics.relative_to(root)):
+                continue
             if (metrics.parent / "summary.json").exists():
                 found.add(metrics.parent)
             else:

@@ -271,6 +271,10 @@ class Config:
     resume_force: bool = False
     """With resume=true: continue even when the config differs from the checkpoint's (a warning lists
     the changed fields)."""
+    overwrite: bool = False
+    """Start afresh in a run folder that already holds a run: its files are moved, never deleted, into
+    `overwritten-<UTC time>/` inside the folder (moe_rl.trainer.folder). Without it (and without
+    resume=true) such a run is refused in one line."""
     experiment: str = "default"
     """Name of the experiment (set by conf/experiment/*.yaml); a W&B grouping field."""
 
@@ -431,6 +435,10 @@ class Config:
         self.eval.validate()
         if self.seed < 0:
             raise ValueError(f"seed={self.seed}: must be >= 0")
+        if self.overwrite and self.resume:
+            raise ValueError(
+                "overwrite=true moves the folder's run aside, resume=true continues it: set one of them"
+            )
 
     def _validate_dataset_options(self) -> None:
         """The options that depend on the task or the model's origin (model.tokenizer, pretraining). Not in

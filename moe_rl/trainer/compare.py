@@ -77,15 +77,21 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
 
 
 def run_dirs(sweep_dir: Path) -> list[Path]:
-    """Every run folder under `sweep_dir` (or the folder itself): any with a summary, metrics or failure."""
+    """Every run folder under `sweep_dir` (or the folder itself): any with a summary, metrics or failure.
+    An earlier run that overwrite=true moved aside (`overwritten-*/`, moe_rl.trainer.folder) is not one."""
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"{sweep_dir}: no such folder")
     found = {p.parent for name in ("summary.json", "metrics.jsonl", "failed.json") for p in sweep_dir.rglob(name)}
-    return sorted(d for d in found if ".hydra" not in d.parts)
+    return sorted(d for d in found if not set_aside(d.relative_to(sweep_dir)))
+
+
+def set_aside(path: Path) -> bool:
+    """Whether `path` lies in Hydra's record (`.hydra/`) or in a run moved aside by overwrite=true."""
+    return any(part == ".hydra" or part.startswith("overwritten-") for part in path.parts)
 
 
 NOT_A_GROUP = frozenset({
-    "seed", "model.seed", "warmstart.seed", "resume", "resume_force", "trainer.threads", "trainer.device",
+    "seed", "model.seed", "warmstart.seed", "resume", "resume_force", "overwrite", "trainer.threads", "trainer.device",
     "trainer.checkpoint_every", "warmstart.cache_dir",
 })
 NOT_A_GROUP_PREFIXES = ("logger.", "hydra.", "_")

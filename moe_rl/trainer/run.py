@@ -11,6 +11,7 @@ rank draws the same mini-batches), so a checkpoint holds rank 0's, and every ran
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -18,6 +19,7 @@ import gc
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -55,6 +57,7 @@ from moe_rl.trainer.distributed import (
 )
 from moe_rl.trainer.evaluate import evaluate, initial_metrics
 from moe_rl.trainer.export import export_policy
+from moe_rl.trainer.folder import check_fresh_start, folder_lock, folder_run_id, record_run_id
 from moe_rl.trainer.logging import (
     CollapseAlerts,
     LocalLog,
@@ -199,11 +202,12 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     return ctx, info
 
 
-def _state(ctx: StepContext, next_step: int, hydra: dict[str, str]) -> dict:
+def _state(ctx: StepContext, next_step: int, hydra: dict[str, str], run_id: str) -> dict:
     """Everything to resume from; under FSDP a collective (the full state dicts are gathered to rank 0)."""
     model_sd, optimizer_sd = state_dicts(ctx.model, ctx.optimizer, ctx.sharded)
     return {
         "step": next_step,
+        "run_id": run_id,  # a resume loads only its own run's checkpoints (moe_rl.trainer.folder)
         "config": dataclasses.asdict(ctx.cfg),  # resume refuses a different config (checkpoint.py)
         "hydra": hydra,
         "model": model_sd,
@@ -244,9 +248,18 @@ class _NullLog:
         pass
 
 
-def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict:
+def train(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    wandb_group: str | None = None,
+    hydra_record: dict[str, str] | None = None,
+) -> dict:
     """Run RL as configured, writing metrics.jsonl, events.jsonl, summary.json and checkpoints to run_dir.
 
+    Rank 0 holds the folder's lock for the whole run, and a fresh run into a folder that holds one is
+    refused unless cfg.overwrite (moe_rl.trainer.folder). `hydra_record` (Hydra's .hydra/*.yaml texts, from
+    the entry point) is written once the run is accepted, so a refused run leaves the folder as it was.
     Under torchrun every rank calls this and gets the same summary; rank 0 writes (module docstring).
     """
     cfg.validate()
@@ -255,20 +268,60 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     check_world(cfg.trainer, dist.world)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
     run_dir = Path(dist.broadcast(str(run_dir)))  # Hydra's timestamped folder may differ by a second
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # Before any compute: a refused resume or an unusable checkpoint stops here in one line.
+    with _claim(run_dir, cfg, dist):
+        return _train(cfg, run_dir, dist, wandb_group, hydra_record or {})
+
+
+@contextlib.contextmanager
+def _claim(run_dir: Path, cfg: Config, dist: Dist) -> Iterator[None]:
+    """Rank 0 holds the folder's lock for the body, after refusing a fresh run over an old one (or moving
+    it aside under overwrite=true); every rank raises rank 0's refusal, so none waits on a collective."""
+    with contextlib.ExitStack() as held:
+        refusal, aside = None, None
+        if dist.main:
+            try:
+                held.enter_context(folder_lock(run_dir))
+                aside = check_fresh_start(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+            except RunError as err:
+                refusal = err
+        message = dist.broadcast(str(refusal) if refusal else None)
+        if refusal is not None:
+            raise refusal
+        if message is not None:
+            raise RunError(message)
+        if aside is not None:
+            warnings.warn(f"overwrite=true: the earlier run's files are now in {aside}", RuntimeWarning, stacklevel=3)
+        yield
+
+
+def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydra_record: dict[str, str]) -> dict:
+    """`train` in a claimed folder."""
+    # Before any compute or write: a refused resume or an unusable checkpoint stops here in one line.
+    known_id = folder_run_id(run_dir)
     state = (
-        resume_state(run_dir, dataclasses.asdict(cfg), force=cfg.resume_force, defaults=dataclasses.asdict(Config()))
+        resume_state(
+            run_dir,
+            dataclasses.asdict(cfg),
+            force=cfg.resume_force,
+            defaults=dataclasses.asdict(Config()),
+            run_id=known_id,
+        )
         if cfg.resume
         else None
     )
-    hydra = state.get("hydra", {}) if state else hydra_files(run_dir)
     done = finished_summary(run_dir, state, cfg.trainer.steps) if state else None
     if done is not None:
-        restore_hydra_files(run_dir, hydra)
-        warnings.warn(f"{run_dir} already finished at step {state['step']}: nothing to resume", RuntimeWarning, stacklevel=2)
+        restore_hydra_files(run_dir, state.get("hydra", {}))
+        warnings.warn(f"{run_dir} already finished at step {state['step']}: nothing to resume", RuntimeWarning, stacklevel=3)
         dist.close()
         return done
+    rid = None
+    if dist.main:
+        (run_dir / "failed.json").unlink(missing_ok=True)  # from an earlier attempt at this job
+        rid = record_run_id(run_dir, known_id or (state or {}).get("run_id"))
+        restore_hydra_files(run_dir, hydra_record)
+    rid = dist.broadcast(rid)
+    hydra = state.get("hydra", {}) if state else hydra_files(run_dir)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     ctx, info = _context(cfg, dist)
@@ -337,7 +390,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             or stopped_on
             or (cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0)
         ):
-            state = _state(ctx, step + 1, hydra)
+            state = _state(ctx, step + 1, hydra, rid)
             if dist.main:
                 _save(run_dir, state)
             if dist.main and (last or stopped_on or cfg.trainer.export_hf):
@@ -358,6 +411,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         metrics = {k: from_json_number(v) for k, v in rows[-1].items() if k != "step"} if rows else {}
     summary = {
         "label": run_label(cfg),
+        "run_id": rid,
         "objective": cfg.objective.preset,
         "replay": cfg.routing.replay,
         "seed": cfg.seed,
