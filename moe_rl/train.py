@@ -16,7 +16,6 @@ import os
 import sys
 import traceback
 import typing
-import warnings
 from pathlib import Path
 
 import hydra
@@ -26,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.config import Config
-from moe_rl.errors import one_line
+from moe_rl.errors import one_line, one_line_warnings
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -65,11 +64,6 @@ def to_config(cfg: DictConfig) -> Config:
     return config
 
 
-def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    """Warnings as one line a user reads ("moe-rl-train: RuntimeWarning: ..."), not a source location."""
-    return f"moe-rl-train: {category.__name__}: {message}\n"
-
-
 def hydra_record(cfg: DictConfig) -> dict[str, str]:
     """The job's `.hydra/` files as Hydra's run_job would write them (config.yaml, hydra.yaml, overrides.yaml).
 
@@ -106,7 +100,7 @@ def main(cfg: DictConfig) -> float:
     that finished, names the failed ones and exits 1. (A raise would make Hydra print a traceback and
     skip the callback; sys.exit would end the whole sweep at once.)
     """
-    warnings.formatwarning = _one_line_warning
+    one_line_warnings("moe-rl-train")
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
     run_dir = Path(hc.runtime.output_dir)

@@ -32,6 +32,7 @@ from moe_rl.models import build_model
 from moe_rl.models.build import unloadable
 from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.objectives import SPECS
+from moe_rl.provenance import provenance
 from moe_rl.rollout.vllm_engine import VllmEngine, require_vllm
 from moe_rl.routing import RoutingController
 from moe_rl.tasks import Task
@@ -324,6 +325,7 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
     hydra = state.get("hydra", {}) if state else hydra_files(run_dir)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
+    origin = provenance(cfg.trainer.device)  # after the thread count is set: it is part of the record
     ctx, info = _context(cfg, dist)
     start = _restore(ctx, state) if state else 0
     local = LocalLog(run_dir, resume_step=start if state else None) if dist.main else _NullLog()
@@ -334,7 +336,7 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
         tags = [cfg.objective.preset, f"replay={cfg.routing.replay}", cfg.experiment, *lg.tags]
         wb = open_wandb(
             run_dir,
-            config_dict,
+            {**config_dict, "provenance": origin},
             mode=lg.mode,
             project=lg.project,
             entity=lg.entity,
@@ -422,6 +424,7 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
         "final": {k: v for k, v in metrics.items() if isinstance(v, float) and math.isfinite(v)},
         "seconds_this_session": time.perf_counter() - t0,
         "world_size": dist.world,
+        "provenance": origin,
         # Equal on every rank under DDP (each rank's own shards under FSDP): a check that ranks agree.
         "param_checksum_by_rank": dist.gather(param_checksum(ctx.model)),
         **info,
