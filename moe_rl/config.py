@@ -399,6 +399,14 @@ class Config:
                 f"trainer.sampler_dtype={t.sampler_dtype!r} samples with a {t.sampler_dtype} copy: set "
                 "trainer.sampler_dtype=null or trainer.reuse_sampler_logp=false"
             )
+        sp = self.sampler
+        if t.reuse_sampler_logp and sp.logprobs == "processed" and sp.top_p < 1 and not sp.keep_sampling_mask:
+            raise ValueError(
+                f"trainer.reuse_sampler_logp=true with sampler.logprobs=processed at sampler.top_p={sp.top_p}: "
+                "processed log-probs are renormalised over the top-p nucleus, so they are not the old policy's "
+                "(the first mini-batch's ratio would not be 1); set sampler.logprobs=raw, or "
+                "sampler.keep_sampling_mask=true (the trainer's forwards then renormalise over the same nucleus)"
+            )
         if self.sampler.engine == "vllm" and t.reuse_sampler_logp:
             raise ValueError(
                 "trainer.reuse_sampler_logp=true takes the sampler's log-probs and routes as the old policy's, "

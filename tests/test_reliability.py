@@ -508,3 +508,16 @@ def test_infinite_ratio_max_is_allowed():
     from test_train import compose_config
 
     assert compose_config(["collapse.ratio_max=inf"]).collapse.ratio_max == math.inf
+
+
+def test_reusing_processed_logprobs_under_top_p_is_refused_naming_the_fields():
+    """trainer.reuse_sampler_logp=true with processed log-probs at top_p < 1 (not π_old) is refused naming both fields and the two ways out; raw, the keep mask or top_p=1 pass."""
+    from test_train import compose_config
+
+    base = ["trainer.reuse_sampler_logp=true", "sampler.top_p=0.9"]
+    with pytest.raises(ValueError, match=r"^trainer\.reuse_sampler_logp=true with sampler\.logprobs=processed") as err:
+        compose_config([*base, "sampler.logprobs=processed"])
+    assert "sampler.logprobs=raw" in str(err.value) and "sampler.keep_sampling_mask=true" in str(err.value)
+    for ok in (["sampler.logprobs=raw"], ["sampler.logprobs=processed", "sampler.keep_sampling_mask=true"],
+               ["sampler.logprobs=processed", "sampler.top_p=1.0"]):
+        assert compose_config([*base, *ok]).trainer.reuse_sampler_logp
