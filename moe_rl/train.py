@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.config import Config
-from moe_rl.errors import one_line, one_line_warnings
+from moe_rl.errors import RunError, one_line, one_line_warnings
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -113,6 +113,12 @@ def main(cfg: DictConfig) -> float:
         print(f"moe-rl-train: invalid config: {err}", file=sys.stderr)
         if not sweeping:
             sys.exit(2)
+        record_failure(run_dir, err, record)
+        return float("nan")
+    except RunError as err:  # user code interrupted at start-up (a reward function's KeyboardInterrupt)
+        print(f"moe-rl-train: {err}", file=sys.stderr)
+        if not sweeping:
+            sys.exit(1)
         record_failure(run_dir, err, record)
         return float("nan")
     from moe_rl.trainer.folder import FolderInUseError

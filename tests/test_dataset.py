@@ -131,6 +131,8 @@ def test_math_verifier_missing_package_is_a_start_up_error(tmp_path, monkeypatch
         ("dataset_rewards:NOT_A_FUNCTION", r"is a int, not a function"),
         ("dataset_rewards:always_raises", r"failed on a probe row .*RuntimeError: reward server unreachable"),
         ("dataset_rewards:returns_inf", r"failed on a probe row .*returned inf, not a finite float"),
+        ("dataset_rewards_exit:fn", r"task\.reward_fn=dataset_rewards_exit:fn called sys\.exit\(4\) while dataset_rewards_exit was imported"),
+        ("dataset_rewards:exits", r"task\.reward_fn=dataset_rewards:exits called sys\.exit\(3\) on a probe row"),
         ("not a path", r"expected package\.module:function"),
     ],
 )
@@ -154,6 +156,19 @@ def test_failing_reward_rows_score_zero_with_a_warning_and_are_counted(tmp_path)
     rows = [[s, 2.0, 1.0, float(f)] for s, f in zip(scores, failed, strict=True)]
     assert rollout_metrics(rows, reward_can_fail=True)["rollout/reward_errors"] == 3.0
     assert "rollout/reward_errors" not in rollout_metrics(rows)  # a synthetic task's verifier cannot fail
+
+
+@pytest.mark.parametrize(("name", "says"), [("exits_on_wrong", r"called sys\.exit\(3\) on dataset row 3"),
+                                            ("interrupted_on_wrong", r"was interrupted \(KeyboardInterrupt\) on dataset row 3")])
+def test_reward_fn_that_exits_mid_run_stops_in_one_line_naming_it(tmp_path, name, says):
+    """A reward function that calls sys.exit or raises KeyboardInterrupt on a sampled row stops the run with a RunError (one line on the console) naming the function and the row, instead of ending the process silently."""
+    from moe_rl.errors import one_line
+    from moe_rl.tasks.verifiers import RewardFnExit
+
+    task = DatasetTask(dataset_cfg(write_rows(tmp_path, "jsonl"), reward_fn=f"dataset_rewards:{name}"))
+    with pytest.raises(RewardFnExit, match=rf"^task\.reward_fn=dataset_rewards:{name} {says}") as err:
+        task.rewards([task.row_example(3)], ["not the answer"])
+    assert one_line(err.value) == str(err.value) and "\n" not in str(err.value)
 
 
 def test_reward_fn_gets_prompt_response_and_row(tmp_path):
@@ -315,6 +330,7 @@ def test_bad_input_exits_2_in_one_line_writing_nothing(tmp_path):
         (f"task.path={tmp_path}/empty.jsonl", "task.path"),
         (f"task.path={EXAMPLE} task.verifier=math", "task.verifier=math"),
         (f"task.path={EXAMPLE} task.reward_fn=no_such_module_xyz:score", "task.reward_fn"),
+        (f"task.path={EXAMPLE} task.reward_fn=dataset_rewards_exit:fn", "task.reward_fn=dataset_rewards_exit:fn called sys.exit(4)"),
     ]
     runs = [tmp_path / f"run{i}" for i in range(len(cases))]
     spec = [{"args": ["task=dataset", *overrides.split(), f"hydra.run.dir={run}"],

@@ -35,7 +35,14 @@ from typing import Any, ClassVar
 
 from moe_rl.tasks.base import Example, Task, split_seed
 from moe_rl.tasks.config import TaskConfig, template_fields
-from moe_rl.tasks.verifiers import load_reward_fn, make_verifier, one_line, reference_number
+from moe_rl.tasks.verifiers import (
+    RewardFnExit,
+    exit_message,
+    load_reward_fn,
+    make_verifier,
+    one_line,
+    reference_number,
+)
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 """File suffix -> the `datasets` packaged builder that reads it."""
@@ -185,6 +192,10 @@ class DatasetTask(Task):
         row = self.train_rows[0]
         try:
             self._score(row, self.answers[row])
+        except SystemExit as err:
+            raise ValueError(exit_message(err, self.cfg.reward_fn, f"on a probe row (row {row})")) from None
+        except KeyboardInterrupt as err:
+            raise RewardFnExit(exit_message(err, self.cfg.reward_fn, f"on a probe row (row {row})")) from None
         except Exception as err:
             raise ValueError(
                 f"task.reward_fn={self.cfg.reward_fn} failed on a probe row (row {row}, its answer as the "
@@ -199,6 +210,8 @@ class DatasetTask(Task):
             try:
                 scores.append(self._score(row, response))
                 failed.append(False)
+            except (SystemExit, KeyboardInterrupt) as err:  # not a failed row: the user's code wants out
+                raise RewardFnExit(exit_message(err, self.cfg.reward_fn, f"on dataset row {row}")) from None
             except Exception as err:  # a user's reward function may fail in any way: the run goes on
                 what = self.cfg.reward_fn or f"task.verifier={self.cfg.verifier}"
                 warnings.warn(
