@@ -250,6 +250,20 @@ def test_load_task_checks_held_out_size_and_warm_start():
         compose_config([*small, "sampler.max_new_tokens=12"]).load_task()  # char tokens: answers are 11-31
 
 
+def test_prompt_longer_than_the_model_holds_is_refused_at_start_up_naming_the_row(tmp_path):
+    """A prompt whose tokens plus sampler.max_new_tokens exceed the model's positions is a ValueError at load_task naming the longest row, its length and the fields; prompts that fit pass."""
+    rows = [{"question": f"What is {a} plus 1?", "answer": f"#### {a + 1}"} for a in range(200)]
+    rows[7]["question"] = "7 " * 300  # 600 characters: 600 char tokens
+    rows[9]["question"] = "9 " * 2500  # the longest: 5000
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    small = ["task=dataset", f"task.path={path}", "eval.size=4", "eval.expected_size=4", "warmstart.enabled=false"]
+    with pytest.raises(ValueError, match=r"2 of 200 prompts do not fit the model: row 9's prompt is 50\d\d tokens, "
+                                         r"and with sampler\.max_new_tokens=32 .* more than model\.max_position_embeddings=512"):
+        compose_config(small).load_task()
+    compose_config([*small, "model.max_position_embeddings=8192"]).load_task()
+
+
 def test_char_tokenizer_covers_the_data_and_synthetic_tokenizer_is_unchanged(tmp_path):
     """char over a dataset has a token for every character of its rows (no <unk>); for a synthetic task it
     is today's tokenizer, token for token."""
