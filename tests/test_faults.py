@@ -498,6 +498,29 @@ def test_full_disk_fails_in_one_line_and_keeps_previous_checkpoint(tmp_path, fin
                  "checkpoint.pt byte for byte; no temporary file left")
 
 
+def test_full_disk_at_the_first_checkpoint_says_there_is_none_to_resume(tmp_path, monkeypatch, fault_report):
+    """A full disk at a fresh run's first checkpoint stops in one line that says there is no checkpoint to resume from (not that "the previous checkpoint is intact"), leaving no checkpoint or temporary file."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    import moe_rl.trainer.run as run_mod
+
+    run_dir = tmp_path / "run"
+    restore = run_mod.LocalLog.__init__
+
+    def full_disk(self, run_dir_, resume_step):  # once the run has started: the checkpoint's temp file is /dev/full
+        restore(self, run_dir_, resume_step)
+        (run_dir_ / TMP).symlink_to("/dev/full")
+
+    monkeypatch.setattr(run_mod.LocalLog, "__init__", full_disk)
+    cfg = compose_config(["objective=grpo", *TINY, "warmstart.enabled=false", "trainer.steps=1", "logger.wandb=false"])
+    _, error, _ = _train_catching(cfg, run_dir)
+    assert error and "No space left on device" in error and "it was the run's first" in error
+    assert "previous checkpoint is intact" not in error
+    assert not (run_dir / CHECKPOINT).exists() and not (run_dir / TMP).is_symlink()
+    fault_report("disk full at a fresh run's first checkpoint", error.replace(str(tmp_path), "RUN"),
+                 "no checkpoint (there was none); no temporary file left")
+
+
 def test_corrupt_warm_start_cache_entry_is_rebuilt(tmp_path, fault_report):
     """A garbled model.safetensors in the warm-start cache is rebuilt with a warning; the run then trains."""
     cfg = compose_config([*TINY, "trainer.steps=1", "logger.wandb=false", "warmstart.target_low=0.0",
@@ -730,3 +753,26 @@ def test_refused_resume_changes_nothing_on_disk(tmp_path, cli_finished, fault_re
     assert _run_files(run_dir) == before
     fault_report(f"`moe-rl-train resume=true` refused ({'seed changed' if case == 'changed_config' else 'trainer.lr=nan'})",
                  lines[0].replace(str(tmp_path), "RUN"), "every file of the folder byte for byte, .hydra/ included")
+
+
+def test_pickle_planted_in_the_warm_start_cache_is_named_as_the_cache_entry(tmp_path, fault_report):
+    """A cache entry whose weights were swapped for a shell-command pickle (checksums rewritten to match) stops the run in one line naming the warm-start cache entry, not model.pretrained; the pickle never runs and torch's pickle-protocol warning is not shown."""
+    cfg = compose_config([*TINY, "trainer.steps=1", "logger.wandb=false", "warmstart.target_low=0.0",
+                          "warmstart.target_high=1.0", "warmstart.eval_size=8", f"warmstart.cache_dir={tmp_path / 'ws'}"])
+    train(cfg, tmp_path / "a")
+    entry = Path(json.loads((tmp_path / "a" / "summary.json").read_text())["warmstart_path"])
+    marker = tmp_path / "pwned"
+    (entry / "model.safetensors").unlink()
+    torch.save({"x": _Shell(marker)}, entry / "pytorch_model.bin")
+    meta = json.loads((entry / "warmstart.json").read_text())
+    meta["sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(entry.iterdir())
+                      if p.is_file() and p.name != "warmstart.json"}
+    (entry / "warmstart.json").write_text(json.dumps(meta))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, error, _ = _train_catching(cfg, tmp_path / "b")
+    assert error and error.startswith(f"the warm-start cache entry {entry} (delete it to rebuild it): could not load")
+    assert "model.pretrained" not in error and not marker.exists()
+    assert not any("pickle protocol" in str(w.message) for w in caught)
+    fault_report("a shell-command pickle planted in a warm-start cache entry (checksums rewritten to match)",
+                 error.replace(str(tmp_path), "RUN"), "nothing executed; the run stops before any step")

@@ -119,7 +119,9 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if hashlib.sha256(payload).digest() != data[len(MAGIC) : header]:
         raise CheckpointError(f"{path} is corrupt (checksum mismatch: truncated or overwritten)")
     try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's "Detected pickle protocol ... please file an issue" before a refusal
+            warnings.filterwarnings("ignore", message=r"Detected pickle protocol")
+            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - whatever the unpickler says, the file is unusable
         raise CheckpointError(f"{path} could not be loaded safely: {type(err).__name__}") from err
     if not isinstance(state, dict) or "step" not in state:

@@ -37,6 +37,7 @@ from moe_rl.rollout.vllm_engine import VllmEngine, require_vllm
 from moe_rl.routing import RoutingController
 from moe_rl.tasks import Task
 from moe_rl.trainer.checkpoint import (
+    CHECKPOINT,
     finished_summary,
     hydra_files,
     restore_hydra_files,
@@ -108,8 +109,13 @@ def _policy(cfg: Config, progress: bool, task: Task | None = None):
         device=cfg.trainer.device,
         task=task,
     )
-    model = build_model(dataclasses.replace(cfg.model, pretrained=str(ws.path)))
-    return model, AutoTokenizer.from_pretrained(ws.path), ws
+    # A cache entry that verifies but does not load (a planted file with matching checksums) is named as
+    # the cache entry, not as model.pretrained, which the user never set.
+    where = f"the warm-start cache entry {ws.path} (delete it to rebuild it)"
+    model = build_model(dataclasses.replace(cfg.model, pretrained=str(ws.path)), where=where)
+    with unloadable(str(ws.path), "tokenizer", where):
+        tokenizer = AutoTokenizer.from_pretrained(ws.path)
+    return model, tokenizer, ws
 
 
 def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
@@ -229,14 +235,18 @@ def _restore(ctx: StepContext, state: dict) -> int:
 
 
 def _save(run_dir: Path, state: dict) -> None:
-    """save_checkpoint, with a full or unwritable disk reported in one line."""
+    """save_checkpoint, with a full or unwritable disk reported in one line (saying whether an earlier
+    checkpoint is there to resume from)."""
+    had_one = (run_dir / CHECKPOINT).exists()
     try:
         save_checkpoint(run_dir, state)
     except OSError as err:
-        raise RunError(
-            f"could not write a checkpoint to {run_dir} ({err.strerror or err}); the previous checkpoint "
-            "is intact: free space and resume with resume=true"
-        ) from err
+        then = (
+            "the previous checkpoint is intact: free space and resume with resume=true"
+            if had_one
+            else "it was the run's first, so there is none to resume from: free space and run again with overwrite=true"
+        )
+        raise RunError(f"could not write a checkpoint to {run_dir} ({err.strerror or err}); {then}") from err
 
 
 class _NullLog:
