@@ -250,6 +250,16 @@ def test_load_task_checks_held_out_size_and_warm_start():
         compose_config([*small, "sampler.max_new_tokens=12"]).load_task()  # char tokens: answers are 11-31
 
 
+def test_non_utf8_byte_in_a_jsonl_is_named_by_file_line_and_column(tmp_path):
+    """A .jsonl with a byte that is not UTF-8 on its third line fails at start-up naming task.path, the line, the column and the byte."""
+    path = write_rows(tmp_path, "jsonl")
+    lines = path.read_bytes().split(b"\n")
+    lines[2] = lines[2].replace(b"What", b"Wh\xffat", 1)
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(ValueError, match=rf"^task\.path={path}: line 3, column 16: byte 0xff is not UTF-8; save the file as UTF-8$"):
+        DatasetTask(dataset_cfg(path))
+
+
 def test_prompt_longer_than_the_model_holds_is_refused_at_start_up_naming_the_row(tmp_path):
     """A prompt whose tokens plus sampler.max_new_tokens exceed the model's positions is a ValueError at load_task naming the longest row, its length and the fields; prompts that fit pass."""
     rows = [{"question": f"What is {a} plus 1?", "answer": f"#### {a + 1}"} for a in range(200)]
