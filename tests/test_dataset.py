@@ -116,9 +116,9 @@ def test_math_verifier():
 
 
 def test_math_verifier_missing_package_is_a_start_up_error(tmp_path, monkeypatch):
-    """Without math-verify, task.verifier=math stops at build time naming the field and the extra."""
+    """Without math-verify, task.verifier=math stops at build time naming the field and the README's install command for the extra."""
     monkeypatch.setitem(sys.modules, "math_verify", None)  # what an absent package looks like to import
-    with pytest.raises(ValueError, match=r"task\.verifier=math .*moe-rl\[math\]"):
+    with pytest.raises(ValueError, match=r"task\.verifier=math .*pip install -e \"\.\[math\]\" in the repository"):
         DatasetTask(dataset_cfg(write_rows(tmp_path, "jsonl"), verifier="math"))
 
 

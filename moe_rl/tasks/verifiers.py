@@ -7,7 +7,7 @@ Built-in verifiers score a response against the row's answer field, 1.0 or 0.0:
   or the answer's last number when it has no `####`; the response's last number must equal it as a
   rational number ("72", "72.0" and "72.00" agree; thousands separators as in "1,234" are read).
 - `math`: `math_verify.verify(parse(answer), parse(response))` from the `math-verify` package, an
-  optional extra (`pip install 'moe-rl[math]'`); a missing package stops the run at start-up.
+  optional extra (`pip install -e ".[math]"`); a missing package stops the run at start-up.
 
 `task.reward_fn=package.module:function` scores instead: `function(prompt, response, example)` gets the
 prompt as formatted by `task.template` (before any chat template), the decoded response and the dataset
@@ -35,7 +35,7 @@ VERIFIERS = ("exact", "last_number", "math")
 REWARD_FN_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 """The form of `task.reward_fn`: a dotted module path, a colon, a dotted attribute path."""
 
-MATH_EXTRA = "pip install 'moe-rl[math]' (or pip install math-verify)"
+MATH_EXTRA = 'pip install -e ".[math]" in the repository, as the README installs it (or pip install math-verify)'
 
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
