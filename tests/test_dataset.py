@@ -239,7 +239,10 @@ def test_load_task_checks_held_out_size_and_warm_start():
     the example's answers are full responses."""
     base = ["task=dataset", f"task.path={EXAMPLE}"]
     with pytest.raises(ValueError, match=r"eval\.size / eval\.expected_size: 512 held-out rows"):
-        compose_config(base).load_task()
+        compose_config([*base, "eval.fit_heldout=false"]).load_task()
+    with pytest.warns(RuntimeWarning, match=r"evaluating on all 100"), \
+            pytest.raises(ValueError, match=r"warmstart\.eval_size: 128 held-out rows"):
+        compose_config(base).load_task()  # eval fits its 100 held-out rows; the warm start's eval set does not
     small = [*base, "eval.expected_size=100", "warmstart.eval_size=100"]
     task = compose_config(small).load_task()  # last_number accepts every worked answer as a response
     assert len(task.heldout_rows) == 100
@@ -248,6 +251,26 @@ def test_load_task_checks_held_out_size_and_warm_start():
     compose_config([*small, "task.reward_fn=dataset_rewards:half", "warmstart.enabled=false"]).load_task()
     with pytest.warns(RuntimeWarning, match=r"of 900 training answers are longer than sampler\.max_new_tokens=12"):
         compose_config([*small, "sampler.max_new_tokens=12"]).load_task()  # char tokens: answers are 11-31
+
+
+def test_small_dataset_is_evaluated_on_all_its_held_out_rows_with_a_note(tmp_path):
+    """A 200-row file (20 held out) with eval's defaults (64 sampled, 512 teacher-forced) runs as the README's "your file" command does: one note that eval uses all 20 rows, then eval metrics over those 20."""
+    from test_train import TINY
+
+    from moe_rl.trainer.run import train
+
+    rows = [{"q": f"What is {a} plus 1?", "a": str(a + 1)} for a in range(200)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_config(["task=dataset", f"task.path={path}", "task.prompt_field=q", "task.answer_field=a",
+                          "task.verifier=exact", "warmstart.enabled=false", *TINY, "eval.size=64",
+                          "eval.expected_size=512", "sampler.max_new_tokens=4", "trainer.steps=1", "logger.wandb=false"])
+    with pytest.warns(RuntimeWarning, match=r"holds out 20 of .* rows, fewer than eval\.size=64 / eval\.expected_size=512: evaluating on all 20"):
+        cfg.load_task()
+    summary = train(cfg, tmp_path / "run")
+    final = summary["final"]
+    assert {"eval/accuracy", "eval/expected_accuracy", "eval/accuracy_greedy"} <= final.keys()
+    assert all(round(final[k] * 20, 6).is_integer() for k in ("eval/accuracy", "eval/accuracy_greedy"))
 
 
 def test_non_utf8_byte_in_a_jsonl_is_named_by_file_line_and_column(tmp_path):

@@ -20,12 +20,22 @@ if TYPE_CHECKING:
 
 
 def check_dataset_run(task: DatasetTask, cfg: Config) -> None:
-    """Enough held-out rows for eval and the warm start; with the warm start on, answers the reward gives
+    """Enough held-out rows for eval (or, under eval.fit_heldout, a note that eval uses all of them) and the
+    warm start; prompts that fit the model (check_prompt_lengths); with the warm start on, answers the reward gives
     full marks as responses (they are its demonstrations), and a warning when some are longer than the
     sampler can write (a model built from config: its tokenizer is known here)."""
     held = len(task.heldout_rows)
+    fitted = cfg.eval.fitted(held)
+    if fitted != cfg.eval:
+        warnings.warn(
+            f"task.heldout={cfg.task.heldout} holds out {held} of {cfg.task.path}'s {len(task.rows)} rows, fewer than "
+            f"eval.size={cfg.eval.size} / eval.expected_size={cfg.eval.expected_size}: evaluating on all {held} "
+            "(eval.fit_heldout=true; raise task.heldout for more)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     needs = {
-        "eval.size / eval.expected_size": cfg.eval.prompts_needed,
+        "eval.size / eval.expected_size": fitted.prompts_needed,
         "warmstart.eval_size": cfg.warmstart.eval_size if cfg.warmstart.enabled else 0,
     }
     for name, n in needs.items():

@@ -35,7 +35,7 @@ from moe_rl.objectives import SPECS
 from moe_rl.provenance import provenance
 from moe_rl.rollout.vllm_engine import VllmEngine, require_vllm
 from moe_rl.routing import RoutingController
-from moe_rl.tasks import Task
+from moe_rl.tasks import DatasetTask, Task
 from moe_rl.trainer.checkpoint import (
     CHECKPOINT,
     finished_summary,
@@ -369,10 +369,12 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
     )
     metrics: dict[str, float] = {}
     steps_done = start
-    eval_examples = ctx.task.examples("eval", cfg.eval.prompts_needed, cfg.eval.seed)
+    # A dataset with fewer held-out rows than eval asks for is evaluated on all of them (eval.fit_heldout).
+    eval_cfg = cfg.eval.fitted(len(ctx.task.heldout_rows)) if isinstance(ctx.task, DatasetTask) else cfg.eval
+    eval_examples = ctx.task.examples("eval", eval_cfg.prompts_needed, eval_cfg.seed)
     eval_prompts = [ctx.prompt(ex.prompt) for ex in eval_examples]
     evaluation = functools.partial(
-        evaluate, ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, cfg.eval
+        evaluate, ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, eval_cfg
     )
     # Before the first update, in step 0's row. A resumed run (start > 0) kept that row: not repeated.
     initial = initial_metrics(evaluation()) if start == 0 and cfg.eval.enabled and cfg.eval.at_start else {}
