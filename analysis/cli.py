@@ -22,6 +22,7 @@ from pathlib import Path
 from analysis.load import load_local, load_wandb
 from analysis.recount import recount
 from analysis.report import write_report
+from moe_rl.errors import one_line_warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `moe-rl-analyze`."""
     args = parse_args(argv)
+    one_line_warnings("moe-rl-analyze")
     progress = not args.no_progress and sys.stderr.isatty()
     if args.wandb:
         runs = load_wandb(args.wandb, args.group, progress=progress)

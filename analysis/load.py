@@ -25,7 +25,15 @@ import numpy as np
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from moe_rl.trainer.compare import NOT_A_GROUP, NOT_A_GROUP_PREFIXES, BrokenRunError, read_run, splits_groups
+from moe_rl.provenance import provenance_mismatch
+from moe_rl.trainer.compare import (
+    NOT_A_GROUP,
+    NOT_A_GROUP_PREFIXES,
+    BrokenRunError,
+    read_run,
+    set_aside,
+    splits_groups,
+)
 from moe_rl.trainer.logging import CorruptLogError, read_jsonl
 
 # Fields that never define a group (the library's list, shared with moe-rl-compare's table).
@@ -45,6 +53,8 @@ class Run:
     """Collapse events (events.jsonl); None when the source does not keep them (W&B)."""
     source: str
     """Where it came from: the run folder, or the W&B run path."""
+    provenance: dict[str, Any] | None = None
+    """Versions, commit, CPU kernels, threads and device (moe_rl.provenance); None for a run that predates it."""
 
     @property
     def flat(self) -> dict[str, Any]:
@@ -119,9 +129,13 @@ def find_run_dirs(sweep_dirs: Iterable[Path]) -> list[Path]:
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: no such folder")
         for summary in root.rglob("summary.json"):
-            if not (summary.parent / "metrics.jsonl").exists() and ".hydra" not in summary.parts:
+            if set_aside(summary.relative_to(root)):
+                continue
+            if not (summary.parent / "metrics.jsonl").exists():
                 warnings.warn(f"skipping {summary.parent}: no metrics.jsonl", RuntimeWarning, stacklevel=2)
         for metrics in root.rglob("metrics.jsonl"):
+            if set_aside(metrics.relative_to(root)):
+                continue
             if (metrics.parent / "summary.json").exists():
                 found.add(metrics.parent)
             else:
@@ -159,7 +173,7 @@ def read_local_run(run_dir: Path) -> Run:
     events = []
     if events_path.exists():
         events = read_jsonl(events_path)
-    return Run(config=config, rows=rows, events=events, source=str(run_dir))
+    return Run(config=config, rows=rows, events=events, source=str(run_dir), provenance=summary.get("provenance"))
 
 
 def load_local(sweep_dirs: Iterable[Path], progress: bool = True) -> list[Run]:
@@ -172,7 +186,7 @@ def load_local(sweep_dirs: Iterable[Path], progress: bool = True) -> list[Run]:
         except (BrokenRunError, CorruptLogError, ValueError) as err:
             where = "" if isinstance(err, BrokenRunError) else f"{d}: "  # a BrokenRunError names its folder
             warnings.warn(f"skipping {where}{err}", RuntimeWarning, stacklevel=2)
-    return drop_duplicate_seeds([r for r in runs if r.rows])
+    return warn_provenance(drop_duplicate_seeds([r for r in runs if r.rows]))
 
 
 NOT_SCIENCE = IGNORED - {"seed", "model.seed", "warmstart.seed"}
@@ -209,6 +223,7 @@ def run_from_wandb(wb_run: Any) -> Run:
     so the config and rows come back as local runs have them ("_step" becomes "step").
     """
     config = unflatten({k: v for k, v in dict(wb_run.config).items() if not k.startswith("_")})
+    origin = config.pop("provenance", None)
     rows = []
     for raw in wb_run.scan_history():
         row = {k: _to_float(v) for k, v in raw.items() if not k.startswith("_") and v is not None}
@@ -216,7 +231,7 @@ def run_from_wandb(wb_run: Any) -> Run:
         rows.append(row)
     rows.sort(key=lambda r: r["step"])
     path = "/".join(wb_run.path) if isinstance(wb_run.path, list | tuple) else str(wb_run.path)
-    return Run(config=config, rows=rows, events=None, source=f"wandb:{path}")
+    return Run(config=config, rows=rows, events=None, source=f"wandb:{path}", provenance=origin)
 
 
 def load_wandb(path: str, group: str | None, progress: bool = True) -> list[Run]:
@@ -228,7 +243,14 @@ def load_wandb(path: str, group: str | None, progress: bool = True) -> list[Run]
     runs = [
         run_from_wandb(r) for r in tqdm(wb_runs, desc="loading W&B runs", disable=not progress, leave=False)
     ]
-    return drop_duplicate_seeds([r for r in runs if r.rows])
+    return warn_provenance(drop_duplicate_seeds([r for r in runs if r.rows]))
+
+
+def warn_provenance(runs: list[Run]) -> list[Run]:
+    """`runs`, after one warning if their provenance differs (moe_rl.provenance.provenance_mismatch)."""
+    if mismatch := provenance_mismatch([r.provenance for r in runs]):
+        warnings.warn(mismatch, RuntimeWarning, stacklevel=3)
+    return runs
 
 
 # --- grouping --------------------------------------------------------------------------------------

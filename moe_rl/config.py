@@ -326,6 +326,10 @@ class Config:
     resume_force: bool = False
     """With resume=true: continue even when the config differs from the checkpoint's (a warning lists
     the changed fields)."""
+    overwrite: bool = False
+    """Start afresh in a run folder that already holds a run: its files are moved, never deleted, into
+    `overwritten-<UTC time>/` inside the folder (moe_rl.trainer.folder). Without it (and without
+    resume=true) such a run is refused in one line."""
     experiment: str = "default"
     """Name of the experiment (set by conf/experiment/*.yaml); a W&B grouping field."""
 
@@ -450,6 +454,14 @@ class Config:
                 f"trainer.sampler_dtype={t.sampler_dtype!r} samples with a {t.sampler_dtype} copy: set "
                 "trainer.sampler_dtype=null or trainer.reuse_sampler_logp=false"
             )
+        sp = self.sampler
+        if t.reuse_sampler_logp and sp.logprobs == "processed" and sp.top_p < 1 and not sp.keep_sampling_mask:
+            raise ValueError(
+                f"trainer.reuse_sampler_logp=true with sampler.logprobs=processed at sampler.top_p={sp.top_p}: "
+                "processed log-probs are renormalised over the top-p nucleus, so they are not the old policy's "
+                "(the first mini-batch's ratio would not be 1); set sampler.logprobs=raw, or "
+                "sampler.keep_sampling_mask=true (the trainer's forwards then renormalise over the same nucleus)"
+            )
         if self.sampler.engine == "vllm" and t.reuse_sampler_logp:
             raise ValueError(
                 "trainer.reuse_sampler_logp=true takes the sampler's log-probs and routes as the old policy's, "
@@ -483,6 +495,10 @@ class Config:
         self.eval.validate()
         if self.seed < 0:
             raise ValueError(f"seed={self.seed}: must be >= 0")
+        if self.overwrite and self.resume:
+            raise ValueError(
+                "overwrite=true moves the folder's run aside, resume=true continues it: set one of them"
+            )
 
     def _validate_dataset_options(self) -> None:
         """The options that depend on the task or the model's origin (model.tokenizer, pretraining). Not in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import warnings
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 """OSError numbers that mean "the disk is full or not writable": reported in one line, not a traceback."""
@@ -21,3 +22,13 @@ def one_line(err: BaseException) -> str | None:
         where = f" ({err.filename})" if err.filename else ""
         return f"cannot write{where}: {err.strerror or err}"
     return None
+
+
+def one_line_warnings(program: str) -> None:
+    """Print every warning as one line a user reads ("program: RuntimeWarning: ..."), without Python's
+    source location and source line."""
+
+    def formatted(message, category, filename, lineno, line=None) -> str:
+        return f"{program}: {category.__name__}: {message}\n"
+
+    warnings.formatwarning = formatted

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import traceback
 import typing
-import warnings
 from pathlib import Path
 
 import hydra
@@ -25,11 +25,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.config import Config
-from moe_rl.errors import one_line
+from moe_rl.errors import RunError, one_line, one_line_warnings
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 ConfigStore.instance().store(name="schema", node=Config)
+if not OmegaConf.has_resolver("pid"):  # ${pid:} in conf/config.yaml's run and sweep folders
+    OmegaConf.register_new_resolver("pid", os.getpid)
 
 
 def unknown_keys(cfg: DictConfig, schema: type, prefix: str = "") -> list[str]:
@@ -62,16 +64,31 @@ def to_config(cfg: DictConfig) -> Config:
     return config
 
 
-def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    """Warnings as one line a user reads ("moe-rl-train: RuntimeWarning: ..."), not a source location."""
-    return f"moe-rl-train: {category.__name__}: {message}\n"
+def hydra_record(cfg: DictConfig) -> dict[str, str]:
+    """The job's `.hydra/` files as Hydra's run_job would write them (config.yaml, hydra.yaml, overrides.yaml).
+
+    conf/config.yaml sets hydra.output_subdir=null, so Hydra writes none of them before the job starts;
+    moe_rl.trainer.run.train writes these once the run folder is locked and the run accepted, so that a
+    refused run (a locked folder, a refused resume) leaves the folder's record as it was.
+    """
+    hc = HydraConfig.get()
+    return {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})),
+        "overrides.yaml": OmegaConf.to_yaml(hc.overrides.task),
+    }
 
 
-def record_failure(run_dir: Path, err: BaseException) -> None:
-    """Leave failed.json (the error and its traceback) in a failed sweep job's folder."""
+def record_failure(run_dir: Path, err: BaseException, record: dict[str, str]) -> None:
+    """Leave failed.json (the error and its traceback) in a failed sweep job's folder, and the job's
+    `.hydra/` record where the folder has none (the end-of-sweep callback counts jobs by it)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exception(err)}
-    (run_dir / "failed.json").write_text(json.dumps(record, indent=2))
+    failure = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exception(err)}
+    (run_dir / "failed.json").write_text(json.dumps(failure, indent=2))
+    if not (run_dir / ".hydra").exists():
+        (run_dir / ".hydra").mkdir()
+        for name, text in record.items():
+            (run_dir / ".hydra" / name).write_text(text)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
@@ -83,11 +100,11 @@ def main(cfg: DictConfig) -> float:
     that finished, names the failed ones and exits 1. (A raise would make Hydra print a traceback and
     skip the callback; sys.exit would end the whole sweep at once.)
     """
-    warnings.formatwarning = _one_line_warning
+    one_line_warnings("moe-rl-train")
     hc = HydraConfig.get()
     sweeping = hc.mode.name == "MULTIRUN"
     run_dir = Path(hc.runtime.output_dir)
-    (run_dir / "failed.json").unlink(missing_ok=True)  # from an earlier attempt at this job
+    record = hydra_record(cfg)
     try:
         config = to_config(cfg)
         config.check_machine()
@@ -96,17 +113,27 @@ def main(cfg: DictConfig) -> float:
         print(f"moe-rl-train: invalid config: {err}", file=sys.stderr)
         if not sweeping:
             sys.exit(2)
-        record_failure(run_dir, err)
+        record_failure(run_dir, err, record)
         return float("nan")
+    except RunError as err:  # user code interrupted at start-up (a reward function's KeyboardInterrupt)
+        print(f"moe-rl-train: {err}", file=sys.stderr)
+        if not sweeping:
+            sys.exit(1)
+        record_failure(run_dir, err, record)
+        return float("nan")
+    from moe_rl.trainer.folder import FolderInUseError
     from moe_rl.trainer.run import train  # heavy imports only after the config is known to be good
 
     group = Path(hc.sweep.dir).name if sweeping else None
     try:
-        summary = train(config, run_dir, wandb_group=group)
+        summary = train(config, run_dir, wandb_group=group, hydra_record=record)
     except Exception as err:
         message = one_line(err)  # a corrupt checkpoint, a refused resume, a full disk: no traceback
+        if sweeping and isinstance(err, FolderInUseError):  # another live run's folder: touch nothing there
+            print(f"moe-rl-train: {message}", file=sys.stderr)
+            return float("nan")
         if sweeping:
-            record_failure(run_dir, err)
+            record_failure(run_dir, err, record)
             if message is None:
                 traceback.print_exception(err)  # a bug: its traceback, but the sweep goes on
             else:

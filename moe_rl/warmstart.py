@@ -43,6 +43,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -61,6 +62,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from moe_rl.errors import RunError
+from moe_rl.trainer.logging import jsonable
 from moe_rl.models import ModelConfig, build_model
 from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.rollout import SamplerConfig, position_ids_from_mask, sample
@@ -328,7 +330,8 @@ def _restore(model: PreTrainedModel, optim: torch.optim.Optimizer, snap: _Snapsh
 def _postfix(steps: int, loss: float, accuracy: float, lr: float, band: tuple[float, float]) -> dict[str, str]:
     """Progress-bar fields: steps of the current weights, last training loss, last held-out accuracy
     against the target band it must land in, lr."""
-    return dict(step=str(steps), loss=f"{loss:.3f}", acc=f"{accuracy:.3f}", target=f"[{band[0]:g}, {band[1]:g}]",
+    shown = f"{loss:.3f}" if math.isfinite(loss) else "–"  # no training step yet: no loss to show
+    return dict(step=str(steps), loss=shown, acc=f"{accuracy:.3f}", target=f"[{band[0]:g}, {band[1]:g}]",
                 lr=f"{lr:.1e}")
 
 
@@ -517,7 +520,8 @@ def _build(
             sha256=_checksums(tmp),
             **stats,
         )
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        # Strict JSON (the first history entry's loss, before any step, is NaN: written "nan", as every run file)
+        (tmp / META_FILE).write_text(json.dumps(jsonable(meta), indent=2, allow_nan=False))
         os.replace(tmp, final)  # atomic: the final name never holds a half-written directory
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -35,27 +35,31 @@ test's folder shown as RUN), and what survived. The fast contracts behind them (
 strict JSON, start-up checks, the warm-start cache) are in tests/test_reliability.py and
 tests/test_warmstart.py.
 
-| fault | what the user sees | what survives |
-|---|---|---|
+| fault | what the user sees | what survives | test (tests/test_faults.py) |
+|---|---|---|---|
 """
+KEEP_MARKER = "<!-- The rows above are written by the fault suite; the text below is kept as it is. -->"
+"""What follows this line in the report file survives a regeneration (rows checked by fast tests elsewhere)."""
 
 
 @pytest.fixture(scope="session")
 def _fault_rows(request):
-    rows: list[tuple[str, str, str]] = []
+    rows: list[tuple[str, str, str, str]] = []
     yield rows
     path = request.config.getoption("--reliability-report")
     if path and rows:
         cell = lambda text: text.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-        body = "".join(f"| {cell(a)} | {cell(b)} | {cell(c)} |\n" for a, b, c in rows)
+        body = "".join(f"| {cell(a)} | {cell(b)} | {cell(c)} | `{d}` |\n" for a, b, c, d in rows)
+        old = open(path).read() if os.path.exists(path) else ""
+        kept = old[old.index(KEEP_MARKER):] if KEEP_MARKER in old else KEEP_MARKER + "\n"
         with open(path, "w") as f:
-            f.write(REPORT_HEADER + body)
+            f.write(REPORT_HEADER + body + "\n" + kept)
 
 
 @pytest.fixture
-def fault_report(_fault_rows):
-    """Record one fault case (fault, what the user sees, what survives) for --reliability-report."""
-    return lambda fault, seen, survives: _fault_rows.append((fault, seen, survives))
+def fault_report(_fault_rows, request):
+    """Record one fault case (fault, what the user sees, what survives, and the test) for --reliability-report."""
+    return lambda fault, seen, survives: _fault_rows.append((fault, seen, survives, request.node.name))
 
 
 @pytest.fixture(scope="session")

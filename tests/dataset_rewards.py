@@ -1,6 +1,7 @@
 """Reward functions for tests/test_dataset.py, imported by path as task.reward_fn=dataset_rewards:<name>."""
 
 import math
+import sys
 
 calls = 0
 
@@ -44,3 +45,22 @@ def returns_inf(prompt, response, example):
 
 
 NOT_A_FUNCTION = 3
+
+
+def exits_on_wrong(prompt, response, example):
+    """1.0 for exactly the answer (so the start-up probe passes); anything else calls sys.exit(3)."""
+    if response == example["answer"]:
+        return 1.0
+    sys.exit(3)
+
+
+def exits(prompt, response, example):
+    """Calls sys.exit(3) on every row, the probe included."""
+    sys.exit(3)
+
+
+def interrupted_on_wrong(prompt, response, example):
+    """1.0 for exactly the answer; raises KeyboardInterrupt on anything else."""
+    if response == example["answer"]:
+        return 1.0
+    raise KeyboardInterrupt

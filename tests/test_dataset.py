@@ -116,9 +116,9 @@ def test_math_verifier():
 
 
 def test_math_verifier_missing_package_is_a_start_up_error(tmp_path, monkeypatch):
-    """Without math-verify, task.verifier=math stops at build time naming the field and the extra."""
+    """Without math-verify, task.verifier=math stops at build time naming the field and the README's install command for the extra."""
     monkeypatch.setitem(sys.modules, "math_verify", None)  # what an absent package looks like to import
-    with pytest.raises(ValueError, match=r"task\.verifier=math .*moe-rl\[math\]"):
+    with pytest.raises(ValueError, match=r"task\.verifier=math .*pip install -e \"\.\[math\]\" in the repository"):
         DatasetTask(dataset_cfg(write_rows(tmp_path, "jsonl"), verifier="math"))
 
 
@@ -131,6 +131,8 @@ def test_math_verifier_missing_package_is_a_start_up_error(tmp_path, monkeypatch
         ("dataset_rewards:NOT_A_FUNCTION", r"is a int, not a function"),
         ("dataset_rewards:always_raises", r"failed on a probe row .*RuntimeError: reward server unreachable"),
         ("dataset_rewards:returns_inf", r"failed on a probe row .*returned inf, not a finite float"),
+        ("dataset_rewards_exit:fn", r"task\.reward_fn=dataset_rewards_exit:fn called sys\.exit\(4\) while dataset_rewards_exit was imported"),
+        ("dataset_rewards:exits", r"task\.reward_fn=dataset_rewards:exits called sys\.exit\(3\) on a probe row"),
         ("not a path", r"expected package\.module:function"),
     ],
 )
@@ -154,6 +156,19 @@ def test_failing_reward_rows_score_zero_with_a_warning_and_are_counted(tmp_path)
     rows = [[s, 2.0, 1.0, float(f)] for s, f in zip(scores, failed, strict=True)]
     assert rollout_metrics(rows, 1, reward_can_fail=True)["rollout/reward_errors"] == 3.0
     assert "rollout/reward_errors" not in rollout_metrics(rows, 1)  # a synthetic task's verifier cannot fail
+
+
+@pytest.mark.parametrize(("name", "says"), [("exits_on_wrong", r"called sys\.exit\(3\) on dataset row 3"),
+                                            ("interrupted_on_wrong", r"was interrupted \(KeyboardInterrupt\) on dataset row 3")])
+def test_reward_fn_that_exits_mid_run_stops_in_one_line_naming_it(tmp_path, name, says):
+    """A reward function that calls sys.exit or raises KeyboardInterrupt on a sampled row stops the run with a RunError (one line on the console) naming the function and the row, instead of ending the process silently."""
+    from moe_rl.errors import one_line
+    from moe_rl.tasks.verifiers import RewardFnExit
+
+    task = DatasetTask(dataset_cfg(write_rows(tmp_path, "jsonl"), reward_fn=f"dataset_rewards:{name}"))
+    with pytest.raises(RewardFnExit, match=rf"^task\.reward_fn=dataset_rewards:{name} {says}") as err:
+        task.rewards([task.row_example(3)], ["not the answer"])
+    assert one_line(err.value) == str(err.value) and "\n" not in str(err.value)
 
 
 def test_reward_fn_gets_prompt_response_and_row(tmp_path):
@@ -224,7 +239,10 @@ def test_load_task_checks_held_out_size_and_warm_start():
     the example's answers are full responses."""
     base = ["task=dataset", f"task.path={EXAMPLE}"]
     with pytest.raises(ValueError, match=r"eval\.size / eval\.expected_size: 512 held-out rows"):
-        compose_config(base).load_task()
+        compose_config([*base, "eval.fit_heldout=false"]).load_task()
+    with pytest.warns(RuntimeWarning, match=r"evaluating on all 100"), \
+            pytest.raises(ValueError, match=r"warmstart\.eval_size: 128 held-out rows"):
+        compose_config(base).load_task()  # eval fits its 100 held-out rows; the warm start's eval set does not
     small = [*base, "eval.expected_size=100", "warmstart.eval_size=100"]
     task = compose_config(small).load_task()  # last_number accepts every worked answer as a response
     assert len(task.heldout_rows) == 100
@@ -233,6 +251,50 @@ def test_load_task_checks_held_out_size_and_warm_start():
     compose_config([*small, "task.reward_fn=dataset_rewards:half", "warmstart.enabled=false"]).load_task()
     with pytest.warns(RuntimeWarning, match=r"of 900 training answers are longer than sampler\.max_new_tokens=12"):
         compose_config([*small, "sampler.max_new_tokens=12"]).load_task()  # char tokens: answers are 11-31
+
+
+def test_small_dataset_is_evaluated_on_all_its_held_out_rows_with_a_note(tmp_path):
+    """A 200-row file (20 held out) with eval's defaults (64 sampled, 512 teacher-forced) runs as the README's "your file" command does: one note that eval uses all 20 rows, then eval metrics over those 20."""
+    from test_train import TINY
+
+    from moe_rl.trainer.run import train
+
+    rows = [{"q": f"What is {a} plus 1?", "a": str(a + 1)} for a in range(200)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_config(["task=dataset", f"task.path={path}", "task.prompt_field=q", "task.answer_field=a",
+                          "task.verifier=exact", "warmstart.enabled=false", *TINY, "eval.size=64",
+                          "eval.expected_size=512", "sampler.max_new_tokens=4", "trainer.steps=1", "logger.wandb=false"])
+    with pytest.warns(RuntimeWarning, match=r"holds out 20 of .* rows, fewer than eval\.size=64 / eval\.expected_size=512: evaluating on all 20"):
+        cfg.load_task()
+    summary = train(cfg, tmp_path / "run")
+    final = summary["final"]
+    assert {"eval/accuracy", "eval/expected_accuracy", "eval/accuracy_greedy"} <= final.keys()
+    assert all(round(final[k] * 20, 6).is_integer() for k in ("eval/accuracy", "eval/accuracy_greedy"))
+
+
+def test_non_utf8_byte_in_a_jsonl_is_named_by_file_line_and_column(tmp_path):
+    """A .jsonl with a byte that is not UTF-8 on its third line fails at start-up naming task.path, the line, the column and the byte."""
+    path = write_rows(tmp_path, "jsonl")
+    lines = path.read_bytes().split(b"\n")
+    lines[2] = lines[2].replace(b"What", b"Wh\xffat", 1)
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(ValueError, match=rf"^task\.path={path}: line 3, column 16: byte 0xff is not UTF-8; save the file as UTF-8$"):
+        DatasetTask(dataset_cfg(path))
+
+
+def test_prompt_longer_than_the_model_holds_is_refused_at_start_up_naming_the_row(tmp_path):
+    """A prompt whose tokens plus sampler.max_new_tokens exceed the model's positions is a ValueError at load_task naming the longest row, its length and the fields; prompts that fit pass."""
+    rows = [{"question": f"What is {a} plus 1?", "answer": f"#### {a + 1}"} for a in range(200)]
+    rows[7]["question"] = "7 " * 300  # 600 characters: 600 char tokens
+    rows[9]["question"] = "9 " * 2500  # the longest: 5000
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    small = ["task=dataset", f"task.path={path}", "eval.size=4", "eval.expected_size=4", "warmstart.enabled=false"]
+    with pytest.raises(ValueError, match=r"2 of 200 prompts do not fit the model: row 9's prompt is 50\d\d tokens, "
+                                         r"and with sampler\.max_new_tokens=32 .* more than model\.max_position_embeddings=512"):
+        compose_config(small).load_task()
+    compose_config([*small, "model.max_position_embeddings=8192"]).load_task()
 
 
 def test_char_tokenizer_covers_the_data_and_synthetic_tokenizer_is_unchanged(tmp_path):
@@ -315,6 +377,7 @@ def test_bad_input_exits_2_in_one_line_writing_nothing(tmp_path):
         (f"task.path={tmp_path}/empty.jsonl", "task.path"),
         (f"task.path={EXAMPLE} task.verifier=math", "task.verifier=math"),
         (f"task.path={EXAMPLE} task.reward_fn=no_such_module_xyz:score", "task.reward_fn"),
+        (f"task.path={EXAMPLE} task.reward_fn=dataset_rewards_exit:fn", "task.reward_fn=dataset_rewards_exit:fn called sys.exit(4)"),
     ]
     runs = [tmp_path / f"run{i}" for i in range(len(cases))]
     spec = [{"args": ["task=dataset", *overrides.split(), f"hydra.run.dir={run}"],

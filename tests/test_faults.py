@@ -247,7 +247,7 @@ def _garble(path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", ["latest", "both", "metrics_last_line", "metrics_middle_line", "finished_resume",
-                                  "changed_config"])
+                                  "changed_config", "another_runs_previous"])
 def test_corrupted_artifact_resumes_or_stops_in_one_line_and_loses_nothing(tmp_path, finished, fault_report, case):
     """Each corruption resumes with a message naming what it fell back from, or stops with one line; rows kept."""
     run_dir = _copy(finished, tmp_path)
@@ -266,6 +266,9 @@ def test_corrupted_artifact_resumes_or_stops_in_one_line_and_loses_nothing(tmp_p
         (run_dir / "metrics.jsonl").write_text("\n".join([lines[0], lines[1][:30], *lines[2:]]) + "\n")
     elif case == "finished_resume":
         cfg = replace(cfg, trainer=finished[1].trainer)
+    elif case == "another_runs_previous":  # checkpoint.prev.pt left by another run (its id), checkpoint.pt garbled
+        _write_checkpoint(run_dir / PREVIOUS, {**read_checkpoint(run_dir / PREVIOUS), "run_id": "0123456789ab"})
+        _garble(run_dir / CHECKPOINT)
     else:
         cfg = replace(cfg, seed=5, objective=replace(cfg.objective, clip_high=0.5))
     summary_before = (run_dir / "summary.json").read_text()
@@ -290,10 +293,22 @@ def test_corrupted_artifact_resumes_or_stops_in_one_line_and_loses_nothing(tmp_p
         assert (run_dir / "summary.json").read_text() == summary_before and summary["final"]
         assert any("already finished" in w for w in warned)
         what, kept = "`resume=true` on a finished run", "summary.json byte for byte (final metrics intact)"
+    elif case == "another_runs_previous":
+        assert error and "no usable checkpoint" in error and "checkpoint.prev.pt belongs to another run" in error
+        assert _rows(run_dir) == before and not any("resuming from the previous" in w for w in warned)
+        what, kept = ("checkpoint.pt garbled, checkpoint.prev.pt another run's (its run id)",
+                      "the folder unchanged; the other run's checkpoint is never resumed from")
     else:
         assert error and "objective.clip_high (0.27 -> 0.5), seed (0 -> 5)" in error and _rows(run_dir) == before
         what, kept = "`resume=true` with a changed config (objective, seed)", "the whole folder, .hydra/ included"
     fault_report(what, seen, kept)
+
+
+def _write_checkpoint(path: Path, state: dict) -> None:
+    """`state` as a verified checkpoint file at `path` (save_checkpoint's format, without its rotation)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    path.write_bytes(MAGIC + hashlib.sha256(buffer.getvalue()).digest() + buffer.getvalue())
 
 
 def test_resume_past_a_truncated_checkpoint_keeps_the_good_one_through_later_saves(tmp_path, finished, fault_report):
@@ -483,6 +498,29 @@ def test_full_disk_fails_in_one_line_and_keeps_previous_checkpoint(tmp_path, fin
                  "checkpoint.pt byte for byte; no temporary file left")
 
 
+def test_full_disk_at_the_first_checkpoint_says_there_is_none_to_resume(tmp_path, monkeypatch, fault_report):
+    """A full disk at a fresh run's first checkpoint stops in one line that says there is no checkpoint to resume from (not that "the previous checkpoint is intact"), leaving no checkpoint or temporary file."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    import moe_rl.trainer.run as run_mod
+
+    run_dir = tmp_path / "run"
+    restore = run_mod.LocalLog.__init__
+
+    def full_disk(self, run_dir_, resume_step):  # once the run has started: the checkpoint's temp file is /dev/full
+        restore(self, run_dir_, resume_step)
+        (run_dir_ / TMP).symlink_to("/dev/full")
+
+    monkeypatch.setattr(run_mod.LocalLog, "__init__", full_disk)
+    cfg = compose_config(["objective=grpo", *TINY, "warmstart.enabled=false", "trainer.steps=1", "logger.wandb=false"])
+    _, error, _ = _train_catching(cfg, run_dir)
+    assert error and "No space left on device" in error and "it was the run's first" in error
+    assert "previous checkpoint is intact" not in error
+    assert not (run_dir / CHECKPOINT).exists() and not (run_dir / TMP).is_symlink()
+    fault_report("disk full at a fresh run's first checkpoint", error.replace(str(tmp_path), "RUN"),
+                 "no checkpoint (there was none); no temporary file left")
+
+
 def test_corrupt_warm_start_cache_entry_is_rebuilt(tmp_path, fault_report):
     """A garbled model.safetensors in the warm-start cache is rebuilt with a warning; the run then trains."""
     cfg = compose_config([*TINY, "trainer.steps=1", "logger.wandb=false", "warmstart.target_low=0.0",
@@ -599,3 +637,142 @@ def test_both_checkpoints_corrupt_is_one_line_on_the_console(tmp_path, finished,
     assert isinstance(CheckpointError("x"), RunError)
     fault_report("both checkpoints zeroed, through `moe-rl-train resume=true`", lines[0].replace(str(tmp_path), "RUN"),
                  "exit status 1, the folder unchanged")
+
+
+# --- run folders that protect their data (moe_rl/trainer/folder.py) -------------------------------------
+
+CLI = [sys.executable, "-m", "moe_rl.train", "objective=grpo", *TINY, "warmstart.enabled=false", "logger.wandb=false"]
+
+
+def _run_files(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run folder (relative path -> bytes), .hydra/ included, less the lock's bookkeeping."""
+    from moe_rl.trainer.folder import BOOKKEEPING
+
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name not in BOOKKEEPING}
+
+
+def _stderr_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def cli_finished(tmp_path_factory):
+    """A 2-step run folder written by moe-rl-train itself (.hydra/ included), checkpoints after every step."""
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    proc = subprocess.run([*CLI, "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"], capture_output=True,
+                          text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_dir
+
+
+def test_second_run_into_a_locked_folder_exits_in_one_line_and_writes_nothing(tmp_path, fault_report):
+    """While a run holds its folder, a second moe-rl-train into it exits 1 in one stderr line naming the holder's pid, and the first run's metrics.jsonl holds each of its steps once, in order."""
+    from moe_rl.trainer.folder import OWNER
+
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen([*CLI, "trainer.steps=1000", f"hydra.run.dir={run_dir}"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / OWNER).exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.poll() is None and (run_dir / OWNER).exists(), "the first run never took its folder's lock"
+        second = subprocess.run([*CLI, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300,
+                                env=ENV)
+        assert first.poll() is None, "the first run ended before the second was refused: not a concurrent case"
+    finally:
+        first.kill()
+        first.wait()
+    lines = _stderr_lines(second)
+    assert second.returncode == 1 and len(lines) == 1, second.stderr[-2000:]
+    assert f"is in use by another run (pid {first.pid})" in lines[0]
+    steps = [r["step"] for r in _rows(run_dir)] if (run_dir / "metrics.jsonl").exists() else []
+    assert steps == list(range(len(steps)))
+    fault_report("a second `moe-rl-train` into the folder of a run in progress (same `hydra.run.dir`)",
+                 lines[0].replace(str(tmp_path), "RUN").replace(str(first.pid), "PID"),
+                 "the running run's files; its metrics.jsonl holds each step once, in order")
+
+
+def test_two_runs_started_together_get_folders_of_their_own(tmp_path, fault_report):
+    """Two plain moe-rl-train runs started at the same moment (Hydra's default run folder) write two folders, each named with its pid and holding steps 0 and 1 once."""
+    procs = [subprocess.Popen(CLI, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+             for _ in range(2)]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    folders = sorted((tmp_path / "outputs" / "default").iterdir())
+    assert sorted(f.name.rsplit("_", 1)[1] for f in folders) == sorted(str(p.pid) for p in procs)
+    assert all([r["step"] for r in _rows(f)] == [0, 1] for f in folders)
+    stamps = {f.name.rsplit("_", 1)[0] for f in folders}
+    fault_report("two plain `moe-rl-train` runs started at once (default run folder)",
+                 "(nothing): each run writes `outputs/default/<time>_<pid>`"
+                 + (" (both started in the same second here)" if len(stamps) == 1 else ""),
+                 "both runs, each in its own folder with steps 0, 1 once")
+
+
+def test_fresh_run_into_a_finished_folder_is_refused_and_overwrite_keeps_the_old_run(tmp_path, cli_finished, fault_report):
+    """A fresh run into a finished run's folder exits 1 in one line and changes no file; with overwrite=true the old files (checkpoints included) move to overwritten-*/ byte for byte, and the new run's checkpoints are all its own."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(cli_finished, run_dir)
+    before = _run_files(run_dir)
+    proc = subprocess.run([*CLI, "trainer.steps=3", f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
+                          timeout=600, env=ENV)
+    lines = _stderr_lines(proc)
+    assert proc.returncode == 1 and len(lines) == 1 and "already holds a run" in lines[0], proc.stderr[-2000:]
+    assert "resume=true" in lines[0] and "overwrite=true" in lines[0] and _run_files(run_dir) == before
+    over = subprocess.run([*CLI, "trainer.steps=3", "trainer.checkpoint_every=1", "overwrite=true",
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600, env=ENV)
+    assert over.returncode == 0, over.stderr[-2000:]
+    (aside,) = run_dir.glob("overwritten-*")
+    moved = {k.removeprefix(f"{aside.name}/"): v for k, v in _run_files(run_dir).items() if k.startswith(aside.name)}
+    assert moved == before
+    new_id = json.loads((run_dir / "summary.json").read_text())["run_id"]
+    assert new_id != json.loads(before["summary.json"])["run_id"]
+    assert [r["step"] for r in _rows(run_dir)] == [0, 1, 2]
+    assert {read_checkpoint(run_dir / n)["run_id"] for n in (CHECKPOINT, PREVIOUS)} == {new_id}
+    fault_report("a fresh run (no `resume`) into a finished run's folder; then the same with `overwrite=true`",
+                 lines[0].replace(str(tmp_path), "RUN") + " / then: "
+                 + " / ".join(_seen(over.stderr, tmp_path).split(" / ")),
+                 "every file, byte for byte; with `overwrite=true` moved into `RUN/run/overwritten-<time>/`, and the "
+                 "new run's checkpoints carry only its own run id")
+
+
+@pytest.mark.parametrize("case", ["changed_config", "bad_config"])
+def test_refused_resume_changes_nothing_on_disk(tmp_path, cli_finished, fault_report, case):
+    """Through moe-rl-train, a resume refused for a changed config (exit 1) or a bad value (exit 2) prints one line and leaves every file of the folder, .hydra/ included, byte for byte."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(cli_finished, run_dir)
+    before = _run_files(run_dir)
+    assert ".hydra/overrides.yaml" in before and "trainer.checkpoint_every=1" in before[".hydra/overrides.yaml"].decode()
+    extra = ["seed=5"] if case == "changed_config" else ["trainer.lr=nan"]
+    proc = subprocess.run([*CLI, "trainer.checkpoint_every=1", "trainer.steps=3", "resume=true", *extra,
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600, env=ENV)
+    lines = _stderr_lines(proc)
+    assert proc.returncode == (1 if case == "changed_config" else 2) and len(lines) == 1, proc.stderr[-2000:]
+    assert ("resume=true refused" if case == "changed_config" else "trainer.lr=nan") in lines[0]
+    assert _run_files(run_dir) == before
+    fault_report(f"`moe-rl-train resume=true` refused ({'seed changed' if case == 'changed_config' else 'trainer.lr=nan'})",
+                 lines[0].replace(str(tmp_path), "RUN"), "every file of the folder byte for byte, .hydra/ included")
+
+
+def test_pickle_planted_in_the_warm_start_cache_is_named_as_the_cache_entry(tmp_path, fault_report):
+    """A cache entry whose weights were swapped for a shell-command pickle (checksums rewritten to match) stops the run in one line naming the warm-start cache entry, not model.pretrained; the pickle never runs and torch's pickle-protocol warning is not shown."""
+    cfg = compose_config([*TINY, "trainer.steps=1", "logger.wandb=false", "warmstart.target_low=0.0",
+                          "warmstart.target_high=1.0", "warmstart.eval_size=8", f"warmstart.cache_dir={tmp_path / 'ws'}"])
+    train(cfg, tmp_path / "a")
+    entry = Path(json.loads((tmp_path / "a" / "summary.json").read_text())["warmstart_path"])
+    marker = tmp_path / "pwned"
+    (entry / "model.safetensors").unlink()
+    torch.save({"x": _Shell(marker)}, entry / "pytorch_model.bin")
+    meta = json.loads((entry / "warmstart.json").read_text())
+    meta["sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(entry.iterdir())
+                      if p.is_file() and p.name != "warmstart.json"}
+    (entry / "warmstart.json").write_text(json.dumps(meta))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, error, _ = _train_catching(cfg, tmp_path / "b")
+    assert error and error.startswith(f"the warm-start cache entry {entry} (delete it to rebuild it): could not load")
+    assert "model.pretrained" not in error and not marker.exists()
+    assert not any("pickle protocol" in str(w.message) for w in caught)
+    fault_report("a shell-command pickle planted in a warm-start cache entry (checksums rewritten to match)",
+                 error.replace(str(tmp_path), "RUN"), "nothing executed; the run stops before any step")

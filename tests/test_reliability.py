@@ -223,6 +223,69 @@ def test_finished_run_is_recognised_only_when_summary_matches_checkpoint(tmp_pat
     assert finished_summary(tmp_path, {"step": 2}, steps=4) is not None
 
 
+# --- run folders ------------------------------------------------------------------------------------
+
+
+def test_fallback_never_loads_another_runs_checkpoint(tmp_path):
+    """Given the folder's run id, a corrupt checkpoint.pt does not fall back to a checkpoint.prev.pt of another run: one error names both."""
+    save_checkpoint(tmp_path, {**_state(4), "run_id": "old"})
+    save_checkpoint(tmp_path, {**_state(1), "run_id": "new"})
+    assert load_checkpoint(tmp_path, "new")["step"] == 1
+    (tmp_path / CHECKPOINT).write_bytes((tmp_path / CHECKPOINT).read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=r"checkpoint\.prev\.pt belongs to another run \(id old, this folder's run is new\)") as err:
+        load_checkpoint(tmp_path, "new")
+    assert "checksum mismatch" in str(err.value) and "\n" not in str(err.value)
+    with pytest.warns(RuntimeWarning, match=r"\(step 4\)"):  # without an id (a folder from before ids): the old rule
+        assert load_checkpoint(tmp_path)["step"] == 4
+
+
+def test_fresh_start_into_a_run_folder_is_refused_and_overwrite_moves_it_aside(tmp_path):
+    """A folder holding a run refuses a fresh start naming its files and both ways out, changing nothing; overwrite=true moves every file (Hydra's open log copied) into overwritten-*/ and deletes none; resume=true and an empty folder pass."""
+    from moe_rl.trainer.folder import FolderHoldsRunError, check_fresh_start
+
+    assert check_fresh_start(tmp_path, resume=False, overwrite=False) is None  # nothing there yet
+    for name, text in {"metrics.jsonl": "{}\n", "summary.json": "{}", "train.log": "log", ".hydra/config.yaml": "seed: 0\n"}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    save_checkpoint(tmp_path, _state(1))
+    before = _tree(tmp_path)
+    with pytest.raises(FolderHoldsRunError) as err:
+        check_fresh_start(tmp_path, resume=False, overwrite=False)
+    message = one_line(err.value)
+    assert message and "metrics.jsonl, summary.json, checkpoint.pt" in message and "resume=true" in message
+    assert "overwrite=true" in message and _tree(tmp_path) == before
+    assert check_fresh_start(tmp_path, resume=True, overwrite=False) is None and _tree(tmp_path) == before
+    aside = check_fresh_start(tmp_path, resume=False, overwrite=True)
+    assert aside.parent == tmp_path and aside.name.startswith("overwritten-")
+    assert {k.removeprefix(f"{aside.name}/"): v for k, v in _tree(tmp_path).items() if k.startswith(aside.name)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([aside.name, "train.log"])
+    assert check_fresh_start(tmp_path, resume=False, overwrite=False) is None  # the moved run no longer counts
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_locked_folder_is_refused_in_one_line_naming_the_holder(tmp_path):
+    """While one holder has a run folder's lock, a second claim raises FolderInUseError naming the holder's pid; after release it succeeds."""
+    from moe_rl.trainer.folder import FolderInUseError, folder_lock
+
+    with folder_lock(tmp_path):
+        with pytest.raises(FolderInUseError, match=rf"is in use by another run \(pid {os.getpid()}\)"), folder_lock(tmp_path):
+            pass
+    with folder_lock(tmp_path):
+        pass
+
+
+def test_overwrite_with_resume_is_refused_at_start_up():
+    """overwrite=true with resume=true (two opposite wishes) is a ValueError naming both fields."""
+    from test_train import compose_config
+
+    with pytest.raises(ValueError, match=r"overwrite=true .* resume=true"):
+        compose_config(["overwrite=true", "resume=true"])
+
+
 # --- outputs -----------------------------------------------------------------------------------------
 
 
@@ -416,3 +479,16 @@ def test_infinite_ratio_max_is_allowed():
     from test_train import compose_config
 
     assert compose_config(["collapse.ratio_max=inf"]).collapse.ratio_max == math.inf
+
+
+def test_reusing_processed_logprobs_under_top_p_is_refused_naming_the_fields():
+    """trainer.reuse_sampler_logp=true with processed log-probs at top_p < 1 (not π_old) is refused naming both fields and the two ways out; raw, the keep mask or top_p=1 pass."""
+    from test_train import compose_config
+
+    base = ["trainer.reuse_sampler_logp=true", "sampler.top_p=0.9"]
+    with pytest.raises(ValueError, match=r"^trainer\.reuse_sampler_logp=true with sampler\.logprobs=processed") as err:
+        compose_config([*base, "sampler.logprobs=processed"])
+    assert "sampler.logprobs=raw" in str(err.value) and "sampler.keep_sampling_mask=true" in str(err.value)
+    for ok in (["sampler.logprobs=raw"], ["sampler.logprobs=processed", "sampler.keep_sampling_mask=true"],
+               ["sampler.logprobs=processed", "sampler.top_p=1.0"]):
+        assert compose_config([*base, *ok]).trainer.reuse_sampler_logp

@@ -344,3 +344,17 @@ def test_build_shows_a_progress_bar_with_accuracy_against_the_band(tmp_path, cap
     err = capsys.readouterr().err
     assert "warm start arithmetic (once, then cached)" in err and "2/2" in err
     assert "acc=0.000" in err and "target=[0.9, 1]" in err
+
+
+def test_progress_bar_and_warmstart_json_show_no_bare_nan_before_the_first_step(tmp_path, capsys):
+    """A build that stops at its first evaluation (no training step, so no loss yet) shows loss=– in its bar, never loss=nan, and writes warmstart.json as strict JSON with that loss as the string "nan"."""
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    cfg = WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=8, cache_dir=str(tmp_path))
+    result = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=True)
+    shown = capsys.readouterr().err
+    assert "loss=–" in shown and "loss=nan" not in shown and result.steps == 0
+    meta = json.loads((Path(result.path) / "warmstart.json").read_text(), parse_constant=refuse)
+    assert meta["history"][0]["loss"] == "nan"

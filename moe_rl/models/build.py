@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -73,26 +74,35 @@ def _hf_config(
 
 
 @contextlib.contextmanager
-def unloadable(pretrained: str, what: str) -> Iterator[None]:
+def unloadable(pretrained: str, what: str, where: str | None = None) -> Iterator[None]:
     """Turn any failure to load `pretrained` (a garbled file, a pickle that weights-only loading refuses,
-    an unknown architecture, no network for a hub id) into one RunError line naming the folder."""
+    an unknown architecture, no network for a hub id) into one RunError line naming the folder, as
+    `where` (default "model.pretrained=<folder>": a warm start's cache entry is named as that instead).
+    torch's "Detected pickle protocol ... please file an issue" warning before such a refusal is silenced."""
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected pickle protocol")
+            yield
     except Exception as err:  # noqa: BLE001 - transformers, safetensors and torch each raise their own types
         first = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:200]  # its first sentence
-        raise RunError(f"model.pretrained={pretrained}: could not load the {what} ({type(err).__name__}: {first})") from err
+        raise RunError(
+            f"{where or f'model.pretrained={pretrained}'}: could not load the {what} ({type(err).__name__}: {first})"
+        ) from err
 
 
-def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
+def build_model(
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = None, *, where: str | None = None
+) -> PreTrainedModel:
     """Return a causal MoE LM (a transformers `PreTrainedModel`) in eval mode.
 
     Built from config, it gets seeded random weights and a vocabulary sized to `tokenizer`
-    (required then). With `cfg.pretrained`, weights come from `from_pretrained` (a local path or hub id).
+    (required then). With `cfg.pretrained`, weights come from `from_pretrained` (a local path or hub id);
+    a failed load is one RunError line naming the folder as `where` (default: model.pretrained=...).
     """
     cfg.validate()
     dtype = getattr(torch, cfg.dtype)
     if cfg.pretrained:
-        with unloadable(cfg.pretrained, "model"):
+        with unloadable(cfg.pretrained, "model", where):
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.pretrained,
                 dtype=dtype,

@@ -59,7 +59,7 @@ class TaskConfig:
     access. On the command line, quote it: 'task.template="Q: {prompt} A:"'."""
     verifier: str = "exact"
     """Built-in reward, 1 or 0 (moe_rl.tasks.verifiers): exact (after normalisation), last_number (the
-    GSM8K convention) or math (the math-verify package: pip install 'moe-rl[math]'). Replaced by
+    GSM8K convention) or math (the math-verify package: pip install -e ".[math]"). Replaced by
     task.reward_fn when that is set."""
     reward_fn: str | None = None
     """package.module:function scoring instead of task.verifier: called as function(prompt, response,

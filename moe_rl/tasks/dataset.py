@@ -35,7 +35,14 @@ from typing import Any, ClassVar
 
 from moe_rl.tasks.base import Example, Task, split_seed
 from moe_rl.tasks.config import TaskConfig, template_fields
-from moe_rl.tasks.verifiers import load_reward_fn, make_verifier, one_line, reference_number
+from moe_rl.tasks.verifiers import (
+    RewardFnExit,
+    exit_message,
+    load_reward_fn,
+    make_verifier,
+    one_line,
+    reference_number,
+)
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 """File suffix -> the `datasets` packaged builder that reads it."""
@@ -88,6 +95,8 @@ def load_rows(cfg: TaskConfig) -> tuple[list[dict[str, Any]], list[str]]:
             raise
         if "corresponds to no data" in str(err):  # datasets' words for a split with no rows ("[]")
             raise ValueError(f"{where}: the dataset has no rows (split {cfg.split!r})") from err
+        if path.is_file() and (bad := _not_utf8(path)):
+            raise ValueError(f"{where}: {bad}; save the file as UTF-8") from err
         cause = _root_cause(err)
         raise ValueError(f"{where}: cannot load split {cfg.split!r} ({type(cause).__name__}: {one_line(cause)})") from err
     finally:
@@ -96,7 +105,24 @@ def load_rows(cfg: TaskConfig) -> tuple[list[dict[str, Any]], list[str]]:
             datasets.utils.logging.enable_progress_bar()
     if len(data) == 0:
         raise ValueError(f"{where}: the dataset has no rows (split {cfg.split!r})")
-    return data.to_list(), list(data.column_names)
+    try:
+        rows = data.to_list()
+    except UnicodeDecodeError as err:  # pyarrow keeps a bad byte in a string column; decoding it fails here
+        bad = _not_utf8(path) if path.is_file() else None
+        raise ValueError(f"{where}: {bad or one_line(err)}; save the file as UTF-8") from err
+    return rows, list(data.column_names)
+
+
+def _not_utf8(path: Path) -> str | None:
+    """Where a file first fails to decode as UTF-8 ("line 3, column 7: byte 0xff is not UTF-8"), or None."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        line = data.count(b"\n", 0, err.start) + 1
+        return f"line {line}, column {err.start - line_start + 1}: byte 0x{data[err.start]:02x} is not UTF-8"
+    return None
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -185,6 +211,10 @@ class DatasetTask(Task):
         row = self.train_rows[0]
         try:
             self._score(row, self.answers[row])
+        except SystemExit as err:
+            raise ValueError(exit_message(err, self.cfg.reward_fn, f"on a probe row (row {row})")) from None
+        except KeyboardInterrupt as err:
+            raise RewardFnExit(exit_message(err, self.cfg.reward_fn, f"on a probe row (row {row})")) from None
         except Exception as err:
             raise ValueError(
                 f"task.reward_fn={self.cfg.reward_fn} failed on a probe row (row {row}, its answer as the "
@@ -199,6 +229,8 @@ class DatasetTask(Task):
             try:
                 scores.append(self._score(row, response))
                 failed.append(False)
+            except (SystemExit, KeyboardInterrupt) as err:  # not a failed row: the user's code wants out
+                raise RewardFnExit(exit_message(err, self.cfg.reward_fn, f"on dataset row {row}")) from None
             except Exception as err:  # a user's reward function may fail in any way: the run goes on
                 what = self.cfg.reward_fn or f"task.verifier={self.cfg.verifier}"
                 warnings.warn(

@@ -6,7 +6,9 @@ sampler and the model's tokenizer too. Each failure is a ValueError naming the f
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_rl.models.tokenizer import policy_tokenizer
@@ -18,12 +20,22 @@ if TYPE_CHECKING:
 
 
 def check_dataset_run(task: DatasetTask, cfg: Config) -> None:
-    """Enough held-out rows for eval and the warm start; with the warm start on, answers the reward gives
+    """Enough held-out rows for eval (or, under eval.fit_heldout, a note that eval uses all of them) and the
+    warm start; prompts that fit the model (check_prompt_lengths); with the warm start on, answers the reward gives
     full marks as responses (they are its demonstrations), and a warning when some are longer than the
     sampler can write (a model built from config: its tokenizer is known here)."""
     held = len(task.heldout_rows)
+    fitted = cfg.eval.fitted(held)
+    if fitted != cfg.eval:
+        warnings.warn(
+            f"task.heldout={cfg.task.heldout} holds out {held} of {cfg.task.path}'s {len(task.rows)} rows, fewer than "
+            f"eval.size={cfg.eval.size} / eval.expected_size={cfg.eval.expected_size}: evaluating on all {held} "
+            "(eval.fit_heldout=true; raise task.heldout for more)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     needs = {
-        "eval.size / eval.expected_size": cfg.eval.prompts_needed,
+        "eval.size / eval.expected_size": fitted.prompts_needed,
         "warmstart.eval_size": cfg.warmstart.eval_size if cfg.warmstart.enabled else 0,
     }
     for name, n in needs.items():
@@ -32,6 +44,7 @@ def check_dataset_run(task: DatasetTask, cfg: Config) -> None:
                 f"{name}: {n} held-out rows are needed, but task.heldout={cfg.task.heldout} holds out {held} "
                 f"of {cfg.task.path}'s {len(task.rows)} rows: lower {name.split(' ')[0]} or raise task.heldout"
             )
+    check_prompt_lengths(task, cfg)
     if not cfg.warmstart.enabled:
         return
     rows = task.train_rows[:WARMSTART_PROBE_ROWS]
@@ -56,4 +69,38 @@ def check_dataset_run(task: DatasetTask, cfg: Config) -> None:
             "imitates them, but the sampler cuts them off",
             RuntimeWarning,
             stacklevel=3,
+        )
+
+
+def check_prompt_lengths(task: DatasetTask, cfg: Config) -> None:
+    """Every prompt's tokens plus sampler.max_new_tokens must fit the model's positions; ValueError naming the
+    longest row (else the first forward fails with a giant allocation). Checked for a model built from config
+    (model.max_position_embeddings, its own tokenizer) and for a local model.pretrained folder (its
+    config.json and tokenizer); a hub id is not fetched for it."""
+    if cfg.model.pretrained:
+        folder = Path(cfg.model.pretrained).expanduser()
+        if not (folder / "config.json").is_file():
+            return
+        from transformers import AutoTokenizer
+
+        limit = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+        if not isinstance(limit, int):
+            return
+        tokenizer, where = AutoTokenizer.from_pretrained(str(folder)), f"{folder}'s max_position_embeddings"
+    else:
+        tokenizer, limit = policy_tokenizer(cfg.model, task), cfg.model.max_position_embeddings
+        where = "model.max_position_embeddings"
+    room = limit - cfg.sampler.max_new_tokens
+    # A character is at most 4 tokens (byte-level BPE on a 4-byte UTF-8 character), plus a few special tokens:
+    # only prompts that could overflow are tokenized.
+    suspects = [r for r, text in enumerate(task.prompts) if 4 * len(text) + 8 > room]
+    lengths = {r: len(tokenizer(task.prompts[r]).input_ids) for r in suspects}
+    over = [r for r, n in lengths.items() if n > room]
+    if over:
+        longest = max(over, key=lengths.__getitem__)
+        raise ValueError(
+            f"task.path={cfg.task.path}: {len(over)} of {len(task.prompts)} prompts do not fit the model: row "
+            f"{longest}'s prompt is {lengths[longest]} tokens, and with sampler.max_new_tokens="
+            f"{cfg.sampler.max_new_tokens} that is {lengths[longest] + cfg.sampler.max_new_tokens} positions, "
+            f"more than {where}={limit}: shorten or drop those rows, or lower sampler.max_new_tokens"
         )

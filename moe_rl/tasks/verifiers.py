@@ -7,7 +7,7 @@ Built-in verifiers score a response against the row's answer field, 1.0 or 0.0:
   or the answer's last number when it has no `####`; the response's last number must equal it as a
   rational number ("72", "72.0" and "72.00" agree; thousands separators as in "1,234" are read).
 - `math`: `math_verify.verify(parse(answer), parse(response))` from the `math-verify` package, an
-  optional extra (`pip install 'moe-rl[math]'`); a missing package stops the run at start-up.
+  optional extra (`pip install -e ".[math]"`); a missing package stops the run at start-up.
 
 `task.reward_fn=package.module:function` scores instead: `function(prompt, response, example)` gets the
 prompt as formatted by `task.template` (before any chat template), the decoded response and the dataset
@@ -24,6 +24,8 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from moe_rl.errors import RunError
+
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 """A user reward: (prompt, response, example row) -> float."""
 
@@ -33,7 +35,7 @@ VERIFIERS = ("exact", "last_number", "math")
 REWARD_FN_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 """The form of `task.reward_fn`: a dotted module path, a colon, a dotted attribute path."""
 
-MATH_EXTRA = "pip install 'moe-rl[math]' (or pip install math-verify)"
+MATH_EXTRA = 'pip install -e ".[math]" in the repository, as the README installs it (or pip install math-verify)'
 
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
@@ -104,6 +106,10 @@ def load_reward_fn(spec: str) -> RewardFn:
     module_name, _, attr = spec.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
+    except SystemExit as err:
+        raise ValueError(exit_message(err, spec, f"while {module_name} was imported")) from None
+    except KeyboardInterrupt as err:
+        raise RewardFnExit(exit_message(err, spec, f"while {module_name} was imported")) from None
     except Exception as err:  # the user's module may fail in any way while it runs: report it in one line
         raise ValueError(
             f"task.reward_fn={spec}: cannot import {module_name} ({type(err).__name__}: {one_line(err)}); the module "
@@ -116,6 +122,19 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"task.reward_fn={spec}: {attr} is a {type(obj).__name__}, not a function")
     return obj
+
+
+class RewardFnExit(RunError):
+    """task.reward_fn raised SystemExit or KeyboardInterrupt: the run stops with one line naming it (a
+    `SystemExit` would otherwise end the process without a word)."""
+
+
+def exit_message(err: SystemExit | KeyboardInterrupt, spec: str, where: str) -> str:
+    """One line saying that the user's reward function `spec` exited or was interrupted `where`."""
+    if isinstance(err, SystemExit):
+        return (f"task.reward_fn={spec} called sys.exit({err.code!r}) {where}: a reward function must return a "
+                "float (or raise an exception, which scores the row 0), never exit")
+    return f"task.reward_fn={spec} was interrupted (KeyboardInterrupt) {where}"
 
 
 def one_line(err: BaseException) -> str:

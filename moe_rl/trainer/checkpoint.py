@@ -10,6 +10,9 @@ The last two checkpoints are kept: `checkpoint.pt` and `checkpoint.prev.pt`. A w
 renamed into place; a kill at any moment leaves at least one complete, verified checkpoint. On a
 corrupt latest checkpoint, `load_checkpoint` falls back to the previous one with a warning and moves
 the corrupt file to `checkpoint.corrupt.pt`, so the next save keeps the good previous one.
+
+Each checkpoint carries its run's id (`run_id`, moe_rl.trainer.folder); a resume given the folder's id
+never loads a checkpoint of another run, not even as the fallback.
 """
 
 from __future__ import annotations
@@ -116,7 +119,9 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if hashlib.sha256(payload).digest() != data[len(MAGIC) : header]:
         raise CheckpointError(f"{path} is corrupt (checksum mismatch: truncated or overwritten)")
     try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's "Detected pickle protocol ... please file an issue" before a refusal
+            warnings.filterwarnings("ignore", message=r"Detected pickle protocol")
+            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - whatever the unpickler says, the file is unusable
         raise CheckpointError(f"{path} could not be loaded safely: {type(err).__name__}") from err
     if not isinstance(state, dict) or "step" not in state:
@@ -124,11 +129,12 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+def load_checkpoint(run_dir: Path, run_id: str | None = None) -> dict[str, Any] | None:
     """The run folder's newest usable checkpoint, or None when it has none.
 
     A corrupt checkpoint.pt falls back to checkpoint.prev.pt with a warning; when checkpoints exist but
-    none is usable, CheckpointError names them. A stale temporary file of an interrupted write is removed,
+    none is usable, CheckpointError names them. With `run_id`, a checkpoint recording another run's id
+    is unusable (one written before run ids records none and is accepted). A stale temporary file of an interrupted write is removed,
     unless checkpoint.pt is missing and the file verifies (a kill between the renames): it becomes checkpoint.pt.
     """
     tmp = run_dir / TMP
@@ -147,6 +153,9 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
             state = read_checkpoint(path)
         except CheckpointError as err:
             errors.append(str(err))
+            continue
+        if run_id is not None and state.get("run_id") not in (None, run_id):
+            errors.append(f"{path} belongs to another run (id {state['run_id']}, this folder's run is {run_id})")
             continue
         if errors:
             moved = ""
@@ -175,6 +184,7 @@ RESUME_SAFE = (
     "model.tokenizer_cache_dir",  # where a BPE is kept; its content hash decides which one is read
     "resume",
     "resume_force",
+    "overwrite",
     "logger.",
     "eval.",  # held-out evaluation never changes training (moe_rl.trainer.evaluate)
     "trainer.export_hf",
@@ -220,20 +230,28 @@ def hydra_files(run_dir: Path) -> dict[str, str]:
 
 
 def restore_hydra_files(run_dir: Path, files: dict[str, str]) -> None:
-    """Put back what `hydra_files` recorded."""
+    """Put back what `hydra_files` recorded (or write the entry point's record of a new run)."""
+    if files:
+        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (run_dir / ".hydra" / name).write_text(text)
 
 
 def resume_state(
-    run_dir: Path, config: dict[str, Any], *, force: bool, defaults: dict[str, Any] | None = None
+    run_dir: Path,
+    config: dict[str, Any],
+    *,
+    force: bool,
+    defaults: dict[str, Any] | None = None,
+    run_id: str | None = None,
 ) -> dict[str, Any] | None:
-    """The checkpoint to resume from, or None (with a warning) when the folder has none.
+    """The checkpoint of run `run_id` (any, if None) to resume from, or None (with a warning) when the
+    folder has none.
 
     Raises CheckpointError when the folder's checkpoints are unusable, and RunError when the
     checkpoint's config differs from `config` outside RESUME_SAFE (unless `force`).
     """
-    state = load_checkpoint(run_dir)
+    state = load_checkpoint(run_dir, run_id)
     if state is None:
         warnings.warn(f"resume=true, but {run_dir} has no checkpoint: starting fresh", RuntimeWarning, stacklevel=2)
         return None

@@ -28,6 +28,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from moe_rl.errors import one_line_warnings
+from moe_rl.provenance import provenance_mismatch
 from moe_rl.seed_stats import mean_ci
 from moe_rl.trainer.logging import CorruptLogError, from_json_number, read_jsonl
 
@@ -77,20 +79,27 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
 
 
 def run_dirs(sweep_dir: Path) -> list[Path]:
-    """Every run folder under `sweep_dir` (or the folder itself): any with a summary, metrics or failure."""
+    """Every run folder under `sweep_dir` (or the folder itself): any with a summary, metrics or failure.
+    An earlier run that overwrite=true moved aside (`overwritten-*/`, moe_rl.trainer.folder) is not one."""
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"{sweep_dir}: no such folder")
     found = {p.parent for name in ("summary.json", "metrics.jsonl", "failed.json") for p in sweep_dir.rglob(name)}
-    return sorted(d for d in found if ".hydra" not in d.parts)
+    return sorted(d for d in found if not set_aside(d.relative_to(sweep_dir)))
+
+
+def set_aside(path: Path) -> bool:
+    """Whether `path` lies in Hydra's record (`.hydra/`) or in a run moved aside by overwrite=true."""
+    return any(part == ".hydra" or part.startswith("overwritten-") for part in path.parts)
 
 
 NOT_A_GROUP = frozenset({
-    "seed", "model.seed", "warmstart.seed", "resume", "resume_force", "trainer.threads", "trainer.device",
+    "seed", "model.seed", "warmstart.seed", "resume", "resume_force", "overwrite", "trainer.threads", "trainer.device",
     "trainer.checkpoint_every", "warmstart.cache_dir",
 })
-NOT_A_GROUP_PREFIXES = ("logger.", "hydra.", "_")
+NOT_A_GROUP_PREFIXES = ("logger.", "hydra.", "_", "provenance.")
 """Config fields that never split a row here or a group in analysis.load: seeds are what a row averages
-over; the rest (where a run ran, how it resumed and logged) do not change the science."""
+over; the rest (where a run ran, how it resumed and logged) do not change the science. A difference in
+provenance (the W&B config's `provenance`) is warned about instead (moe_rl.provenance)."""
 
 
 def splits_groups(field: str) -> bool:
@@ -113,7 +122,8 @@ def read_runs(sweep_dir: Path) -> list[tuple[str, dict, list[dict]]]:
     """(label, summary, rows) of every readable run under `sweep_dir`; each broken one is skipped with a
     warning naming it. The label is the run's (objective preset and replay source) plus each override
     whose value differs between its runs (a swept `trainer.lr=...`), so seeds are all a row averages over;
-    a second folder with the same label and seed (a copied run) is skipped with a warning naming both."""
+    a second folder with the same label and seed (a copied run) is skipped with a warning naming both.
+    Runs whose provenance differs (library versions, CPU kernels, threads: moe_rl.provenance) get one warning."""
     found = []
     for run_dir in run_dirs(sweep_dir):
         try:
@@ -137,6 +147,8 @@ def read_runs(sweep_dir: Path) -> list[tuple[str, dict, list[dict]]]:
             continue
         seen[label, summary["seed"]] = run_dir
         runs.append((label, summary, rows))
+    if mismatch := provenance_mismatch([summary.get("provenance") for _, summary, _ in runs]):
+        warnings.warn(mismatch, RuntimeWarning, stacklevel=2)
     return runs
 
 
@@ -259,6 +271,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path)
     args = parser.parse_args()
+    one_line_warnings("moe-rl-compare")
     if not args.sweep_dir.is_dir():
         raise SystemExit(f"moe-rl-compare: {args.sweep_dir}: no such folder")
     table = comparison(args.sweep_dir)

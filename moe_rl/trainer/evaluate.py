@@ -64,6 +64,10 @@ class EvalConfig:
     """Also evaluate before the first update (`eval/initial/*` in step 0's row; not repeated on resume)."""
     seed: int = 12345
     """Seed of the eval prompts and of the sampling noise (distinct from the warm start's eval set)."""
+    fit_heldout: bool = True
+    """task=dataset: when the dataset holds out fewer rows than `size` or `expected_size` ask for, evaluate
+    on all of its held-out rows instead, with a one-line note (a 200-row file holds out 20); false refuses
+    such a run at start-up."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -82,6 +86,13 @@ class EvalConfig:
     def prompts_needed(self) -> int:
         """How many prompts of the eval stream the evaluations use."""
         return max(self.size, self.expected_size)
+
+    def fitted(self, heldout: int) -> EvalConfig:
+        """This config with `size` and `expected_size` at most `heldout` (a dataset's held-out rows) when
+        `fit_heldout`; unchanged otherwise, or when nothing is held out."""
+        if not self.fit_heldout or heldout < 1:
+            return self
+        return dataclasses.replace(self, size=min(self.size, heldout), expected_size=min(self.expected_size, heldout))
 
     def due(self, step: int, last: bool) -> bool:
         """Whether to evaluate after RL step `step` (0-based)."""

@@ -11,6 +11,7 @@ rank draws the same mini-batches), so a checkpoint holds rank 0's, and every ran
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -18,6 +19,7 @@ import gc
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,10 +32,12 @@ from moe_rl.models import build_model
 from moe_rl.models.build import unloadable
 from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.objectives import SPECS
+from moe_rl.provenance import provenance
 from moe_rl.rollout.vllm_engine import VllmEngine, require_vllm
 from moe_rl.routing import RoutingController
-from moe_rl.tasks import Task
+from moe_rl.tasks import DatasetTask, Task
 from moe_rl.trainer.checkpoint import (
+    CHECKPOINT,
     finished_summary,
     hydra_files,
     restore_hydra_files,
@@ -55,6 +59,7 @@ from moe_rl.trainer.distributed import (
 )
 from moe_rl.trainer.evaluate import evaluate, initial_metrics
 from moe_rl.trainer.export import export_policy
+from moe_rl.trainer.folder import check_fresh_start, folder_lock, folder_run_id, record_run_id
 from moe_rl.trainer.logging import (
     CollapseAlerts,
     LocalLog,
@@ -104,8 +109,13 @@ def _policy(cfg: Config, progress: bool, task: Task | None = None):
         device=cfg.trainer.device,
         task=task,
     )
-    model = build_model(dataclasses.replace(cfg.model, pretrained=str(ws.path)))
-    return model, AutoTokenizer.from_pretrained(ws.path), ws
+    # A cache entry that verifies but does not load (a planted file with matching checksums) is named as
+    # the cache entry, not as model.pretrained, which the user never set.
+    where = f"the warm-start cache entry {ws.path} (delete it to rebuild it)"
+    model = build_model(dataclasses.replace(cfg.model, pretrained=str(ws.path)), where=where)
+    with unloadable(str(ws.path), "tokenizer", where):
+        tokenizer = AutoTokenizer.from_pretrained(ws.path)
+    return model, tokenizer, ws
 
 
 def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
@@ -204,11 +214,12 @@ def _first_of(events: list[CollapseEvent], step: int, kinds: set[str]) -> dict |
     return next((dataclasses.asdict(e) for e in events if e.step == step and e.kind in kinds), None)
 
 
-def _state(ctx: StepContext, next_step: int, hydra: dict[str, str]) -> dict:
+def _state(ctx: StepContext, next_step: int, hydra: dict[str, str], run_id: str) -> dict:
     """Everything to resume from; under FSDP a collective (the full state dicts are gathered to rank 0)."""
     model_sd, optimizer_sd = state_dicts(ctx.model, ctx.optimizer, ctx.sharded)
     return {
         "step": next_step,
+        "run_id": run_id,  # a resume loads only its own run's checkpoints (moe_rl.trainer.folder)
         "config": dataclasses.asdict(ctx.cfg),  # resume refuses a different config (checkpoint.py)
         "hydra": hydra,
         "model": model_sd,
@@ -229,14 +240,18 @@ def _restore(ctx: StepContext, state: dict) -> int:
 
 
 def _save(run_dir: Path, state: dict) -> None:
-    """save_checkpoint, with a full or unwritable disk reported in one line."""
+    """save_checkpoint, with a full or unwritable disk reported in one line (saying whether an earlier
+    checkpoint is there to resume from)."""
+    had_one = (run_dir / CHECKPOINT).exists()
     try:
         save_checkpoint(run_dir, state)
     except OSError as err:
-        raise RunError(
-            f"could not write a checkpoint to {run_dir} ({err.strerror or err}); the previous checkpoint "
-            "is intact: free space and resume with resume=true"
-        ) from err
+        then = (
+            "the previous checkpoint is intact: free space and resume with resume=true"
+            if had_one
+            else "it was the run's first, so there is none to resume from: free space and run again with overwrite=true"
+        )
+        raise RunError(f"could not write a checkpoint to {run_dir} ({err.strerror or err}); {then}") from err
 
 
 class _NullLog:
@@ -249,9 +264,18 @@ class _NullLog:
         pass
 
 
-def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict:
+def train(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    wandb_group: str | None = None,
+    hydra_record: dict[str, str] | None = None,
+) -> dict:
     """Run RL as configured, writing metrics.jsonl, events.jsonl, summary.json and checkpoints to run_dir.
 
+    Rank 0 holds the folder's lock for the whole run, and a fresh run into a folder that holds one is
+    refused unless cfg.overwrite (moe_rl.trainer.folder). `hydra_record` (Hydra's .hydra/*.yaml texts, from
+    the entry point) is written once the run is accepted, so a refused run leaves the folder as it was.
     Under torchrun every rank calls this and gets the same summary; rank 0 writes (module docstring).
     """
     cfg.validate()
@@ -260,22 +284,63 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     check_world(cfg.trainer, dist.world)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
     run_dir = Path(dist.broadcast(str(run_dir)))  # Hydra's timestamped folder may differ by a second
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # Before any compute: a refused resume or an unusable checkpoint stops here in one line.
+    with _claim(run_dir, cfg, dist):
+        return _train(cfg, run_dir, dist, wandb_group, hydra_record or {})
+
+
+@contextlib.contextmanager
+def _claim(run_dir: Path, cfg: Config, dist: Dist) -> Iterator[None]:
+    """Rank 0 holds the folder's lock for the body, after refusing a fresh run over an old one (or moving
+    it aside under overwrite=true); every rank raises rank 0's refusal, so none waits on a collective."""
+    with contextlib.ExitStack() as held:
+        refusal, aside = None, None
+        if dist.main:
+            try:
+                held.enter_context(folder_lock(run_dir))
+                aside = check_fresh_start(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+            except RunError as err:
+                refusal = err
+        message = dist.broadcast(str(refusal) if refusal else None)
+        if refusal is not None:
+            raise refusal
+        if message is not None:
+            raise RunError(message)
+        if aside is not None:
+            warnings.warn(f"overwrite=true: the earlier run's files are now in {aside}", RuntimeWarning, stacklevel=3)
+        yield
+
+
+def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydra_record: dict[str, str]) -> dict:
+    """`train` in a claimed folder."""
+    # Before any compute or write: a refused resume or an unusable checkpoint stops here in one line.
+    known_id = folder_run_id(run_dir)
     state = (
-        resume_state(run_dir, dataclasses.asdict(cfg), force=cfg.resume_force, defaults=dataclasses.asdict(Config()))
+        resume_state(
+            run_dir,
+            dataclasses.asdict(cfg),
+            force=cfg.resume_force,
+            defaults=dataclasses.asdict(Config()),
+            run_id=known_id,
+        )
         if cfg.resume
         else None
     )
-    hydra = state.get("hydra", {}) if state else hydra_files(run_dir)
     done = finished_summary(run_dir, state, cfg.trainer.steps) if state else None
     if done is not None:
-        restore_hydra_files(run_dir, hydra)
-        warnings.warn(f"{run_dir} already finished at step {state['step']}: nothing to resume", RuntimeWarning, stacklevel=2)
+        restore_hydra_files(run_dir, state.get("hydra", {}))
+        warnings.warn(f"{run_dir} already finished at step {state['step']}: nothing to resume", RuntimeWarning, stacklevel=3)
         dist.close()
         return done
+    rid = None
+    if dist.main:
+        (run_dir / "failed.json").unlink(missing_ok=True)  # from an earlier attempt at this job
+        rid = record_run_id(run_dir, known_id or (state or {}).get("run_id"))
+        restore_hydra_files(run_dir, hydra_record)
+    rid = dist.broadcast(rid)
+    hydra = state.get("hydra", {}) if state else hydra_files(run_dir)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
+    origin = provenance(cfg.trainer.device)  # after the thread count is set: it is part of the record
     ctx, info = _context(cfg, dist)
     start = _restore(ctx, state) if state else 0
     local = LocalLog(run_dir, resume_step=start if state else None) if dist.main else _NullLog()
@@ -286,7 +351,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         tags = [cfg.objective.preset, f"replay={cfg.routing.replay}", cfg.experiment, *lg.tags]
         wb = open_wandb(
             run_dir,
-            config_dict,
+            {**config_dict, "provenance": origin},
             mode=lg.mode,
             project=lg.project,
             entity=lg.entity,
@@ -309,10 +374,12 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
     )
     metrics: dict[str, float] = {}
     steps_done = start
-    eval_examples = ctx.task.examples("eval", cfg.eval.prompts_needed, cfg.eval.seed)
+    # A dataset with fewer held-out rows than eval asks for is evaluated on all of them (eval.fit_heldout).
+    eval_cfg = cfg.eval.fitted(len(ctx.task.heldout_rows)) if isinstance(ctx.task, DatasetTask) else cfg.eval
+    eval_examples = ctx.task.examples("eval", eval_cfg.prompts_needed, eval_cfg.seed)
     eval_prompts = [ctx.prompt(ex.prompt) for ex in eval_examples]
     evaluation = functools.partial(
-        evaluate, ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, cfg.eval
+        evaluate, ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, eval_cfg
     )
     # Before the first update, in step 0's row. A resumed run (start > 0) kept that row: not repeated.
     initial = initial_metrics(evaluation()) if start == 0 and cfg.eval.enabled and cfg.eval.at_start else {}
@@ -347,7 +414,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
             or stopped_on
             or (cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0)
         ):
-            state = _state(ctx, step + 1, hydra)
+            state = _state(ctx, step + 1, hydra, rid)
             if dist.main:
                 _save(run_dir, state)
             if dist.main and (last or stopped_on or cfg.trainer.export_hf):
@@ -368,6 +435,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         metrics = {k: from_json_number(v) for k, v in rows[-1].items() if k != "step"} if rows else {}
     summary = {
         "label": run_label(cfg),
+        "run_id": rid,
         "objective": cfg.objective.preset,
         "replay": cfg.routing.replay,
         "seed": cfg.seed,
@@ -378,6 +446,7 @@ def train(cfg: Config, run_dir: Path, *, wandb_group: str | None = None) -> dict
         "final": {k: v for k, v in metrics.items() if isinstance(v, float) and math.isfinite(v)},
         "seconds_this_session": time.perf_counter() - t0,
         "world_size": dist.world,
+        "provenance": origin,
         # Equal on every rank under DDP (each rank's own shards under FSDP): a check that ranks agree.
         "param_checksum_by_rank": dist.gather(param_checksum(ctx.model)),
         **info,

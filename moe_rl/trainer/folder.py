@@ -1,0 +1,147 @@
+"""Run folders that protect their data: one run at a time in a folder, and no silent replacement.
+
+- **A lock for the run's life.** `claim_folder` takes an exclusive `filelock` lock on `<run>/.moe-rl.lock`
+  (released by the OS when the process dies, so a killed run never leaves the folder locked) and
+  records the holder's pid and host in `<run>/.moe-rl.owner`. A second run into a locked folder stops
+  in one line naming that pid (FolderInUseError).
+- **No fresh run over an old one.** A run without `resume=true` into a folder that already holds a run
+  (any of RUN_FILES) is refused in one line (FolderHoldsRunError), unless `overwrite=true`: then the old
+  files are moved, never deleted, into `<run>/overwritten-<UTC time>/`.
+- **A run id.** Each run has an id, kept in `<run>/run_id.txt` and written into each of its checkpoints
+  and its summary; a resume never loads a checkpoint of another id (moe_rl.trainer.checkpoint).
+
+The lock and owner files are bookkeeping: a refused run may recreate them, and nothing else in the
+folder changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from moe_rl.errors import RunError
+from moe_rl.trainer.checkpoint import CHECKPOINT, CORRUPT, PREVIOUS, TMP
+
+LOCK = ".moe-rl.lock"
+OWNER = ".moe-rl.owner"
+"""The lock holder's "pid host", for the message a second run prints (filelock's own file is truncated
+by every process that tries the lock, so it cannot carry the pid)."""
+RUN_ID = "run_id.txt"
+HYDRA_LOG = "train.log"
+"""Hydra's job log, which Hydra has opened (for appending) before the run starts: overwrite copies it
+aside instead of moving it."""
+RUN_FILES = (
+    "metrics.jsonl",
+    "events.jsonl",
+    "summary.json",
+    CHECKPOINT,
+    PREVIOUS,
+    CORRUPT,
+    TMP,
+    "policy",
+    "wandb",
+    "wandb_id.txt",
+    RUN_ID,
+)
+"""What a run leaves in its folder: a folder holding any of these holds a run."""
+BOOKKEEPING = (LOCK, OWNER)
+
+
+class FolderInUseError(RunError):
+    """Another live process holds the run folder's lock."""
+
+
+class FolderHoldsRunError(RunError):
+    """A fresh run (no resume, no overwrite) into a folder that already holds a run."""
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """The names of RUN_FILES present in `run_dir`: what makes it hold a run."""
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def _holder(run_dir: Path) -> str:
+    try:
+        pid, _, host = (run_dir / OWNER).read_text().strip().partition(" ")
+    except OSError:
+        return "pid unknown"
+    return f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
+
+
+@contextlib.contextmanager
+def folder_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the exclusive lock on `run_dir` for the body; FolderInUseError (one line) if another process has it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(run_dir / LOCK), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        time.sleep(0.2)  # the holder writes its pid just after it takes the lock
+        raise FolderInUseError(
+            f"{run_dir} is in use by another run ({_holder(run_dir)}): wait for it to end, or give this run "
+            "a folder of its own (hydra.run.dir=...)"
+        ) from None
+    try:
+        (run_dir / OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
+        yield
+    finally:
+        (run_dir / OWNER).unlink(missing_ok=True)
+        lock.release()
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Move everything in `run_dir` but the lock's bookkeeping and earlier `overwritten-*` folders into a new
+    `overwritten-<UTC time>/` folder there (Hydra's open train.log is copied, not moved); returns it."""
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
+    aside = run_dir / f"overwritten-{stamp}"
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = run_dir / f"overwritten-{stamp}-{n}"
+    aside.mkdir()
+    for entry in sorted(run_dir.iterdir()):
+        if entry == aside or entry.name in BOOKKEEPING or entry.name.startswith("overwritten-"):
+            continue
+        if entry.name == HYDRA_LOG:
+            shutil.copy2(entry, aside / entry.name)
+        else:
+            os.replace(entry, aside / entry.name)
+    return aside
+
+
+def check_fresh_start(run_dir: Path, *, resume: bool, overwrite: bool) -> Path | None:
+    """Refuse (FolderHoldsRunError, one line) a fresh run into a folder that holds a run, unless `resume`
+    (the run continues) or `overwrite` (its files are moved aside: the folder they went to is returned)."""
+    held = run_files(run_dir)
+    if resume or not held:
+        return None
+    if not overwrite:
+        raise FolderHoldsRunError(
+            f"{run_dir} already holds a run ({', '.join(held)}): add resume=true to continue it, overwrite=true "
+            "to move its files aside and start again, or give this run a folder of its own (hydra.run.dir=...)"
+        )
+    return move_aside(run_dir)
+
+
+def record_run_id(run_dir: Path, run_id: str | None) -> str:
+    """The run's id, `run_id` (the folder's, or the checkpoint's it resumes) or else a new one, recorded in
+    the folder's `run_id.txt`."""
+    run_id = run_id or uuid.uuid4().hex[:12]
+    if folder_run_id(run_dir) != run_id:
+        (run_dir / RUN_ID).write_text(run_id + "\n")
+    return run_id
+
+
+def folder_run_id(run_dir: Path) -> str | None:
+    """The folder's run id if it has one (None for a new folder, or one written before run ids)."""
+    path = run_dir / RUN_ID
+    text = path.read_text().strip() if path.is_file() else ""
+    return text or None
