@@ -34,7 +34,10 @@ seeds with a sustained regression and when.
 
 Pairwise differences (analysis.pairs): outcome and collapse-rate differences between groups that
 differ only in objective / replay (and, with expected accuracy, the paired AUC difference and the
-log-rank test of time to regression), with CIs, p-values and a verdict in words.
+log-rank test of time to regression), with CIs, p-values and a verdict in words, under a sentence on the
+sweep's warm-start design (analysis.clusters): "conditional on one warm start" when every run shares one;
+with several warm starts each carrying RL seeds, also the contrast over warm starts with its
+between-warm-start variance and ICC.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from analysis.figures import BAND, finite_mean, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.outcomes import CAPTION as outcomes_caption
 from analysis.outcomes import format_outcomes, has_expected, outcomes_table, plot_expected_accuracy
+from analysis.clusters import detect_design
 from analysis.pairs import format_pairs, pairwise
 from analysis.stats import CI_NOTE, mean_ci, wilson
 from moe_rl.trainer.compare import COLUMNS, format_cell, run_row, shown_columns
@@ -216,7 +220,7 @@ def write_report(
     summary_md, collapse_md, pairs_md = (
         format_summary(summary),
         format_collapse(collapse),
-        format_pairs(pairs),
+        format_pairs(pairs, detect_design(runs)),
     )
     by_field = {f: collapse_by_field(runs, f) for f in fields}
     dose_field = drift.dose_field(fields, runs)
