@@ -32,6 +32,10 @@ Expected accuracy over training (analysis.outcomes; only when some run logged
 `eval/expected_accuracy`): per group the mean AUC of the expected-accuracy curve with its CI, and the
 seeds with a sustained regression and when.
 
+Each objective at its own step size (analysis.steplr; only when `trainer.lr` takes at least 3 values):
+per pair of arms, the contrast at each shared lr, at each arm's own best lr (cross-fitted over two halves of
+the seeds) and at matched per-update KL.
+
 Pairwise differences (analysis.pairs): outcome and collapse-rate differences between groups that
 differ only in objective / replay (and, with expected accuracy, the paired AUC difference and the
 log-rank test of time to regression), with CIs, p-values and a verdict in words, under a sentence on the
@@ -48,7 +52,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis import critical, drift, engines, offpolicy
+from analysis import critical, drift, engines, offpolicy, steplr
 from analysis.figures import BAND, finite_mean, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.outcomes import CAPTION as outcomes_caption
@@ -240,6 +244,10 @@ def write_report(
     if off:
         (out_dir / "offpolicy.md").write_text(off_md + "\n")
         figures = {"offpolicy": (offpolicy.plot_offpolicy(off[0], out_dir), offpolicy.CAPTION), **figures}
+    own = steplr.steplr_table(*steplr.arms_from_runs(runs, fields)) if steplr.applies(fields, runs) else None
+    own_md = steplr.format_steplr(own) if own is not None else ""
+    if own is not None:
+        (out_dir / "own_lr.md").write_text(own_md + "\n")
     eng = engines.engine_table(runs) if engines.applies(runs) else None
     eng_md = engines.format_engines(eng) if eng else ""
     if eng:
@@ -253,6 +261,7 @@ def write_report(
                     **({"outcomes": outcomes} if outcomes else {}),
                     **({"step_size": steps} if steps else {}),
                     **({"critical_lr": critical.critical_json(crit)} if crit else {}),
+                    **({"own_lr": own} if own is not None else {}),
                     **({"offpolicy": offpolicy.offpolicy_json(*off)} if off else {}),
                     **({"engines": engines.engines_json(eng)} if eng else {})}, indent=2)
     )
@@ -291,6 +300,8 @@ def write_report(
         *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in by_field.items()),
         *(["## Dose-response", drift.__doc__.split("\n\n", 1)[1].strip(), dose_md] if dose else []),
         *(["## Critical step size", critical.__doc__.split("\n\n", 1)[1].strip(), crit_md] if crit else []),
+        *(["## Each objective at its own step size", steplr.__doc__.split("\n\n", 1)[1].strip(), own_md]
+          if own is not None else []),
         *(["## Replay against off-policiness", offpolicy.__doc__.split("\n\n", 1)[1].strip(), off_md] if off else []),
         *(["## vLLM engine against hf engine", engines.__doc__.split("\n\n", 1)[1].strip(), eng_md] if eng else []),
         "## Pairwise differences",
