@@ -231,7 +231,10 @@ def write_report(
     dose = drift.dose_table(groups, permutations, dose_field) if dose_field else None
     if dose is not None:
         trend = drift.dose_trend(groups, dose_field)
-        dose_md = drift.format_dose(dose) + "\n\nDose trend:\n\n" + drift.format_trend(trend)
+        slopes = drift.trend_differences(drift.trend_json(trend))
+        dose_md = (drift.format_dose(dose) + "\n\nDose trend:\n\n" + drift.format_trend(trend)
+                   + ("\n\nDifference of slopes (paired by seed):\n\n" + drift.format_trend_differences(slopes)
+                      if slopes else ""))
         (out_dir / "dose_table.md").write_text(dose_md + "\n")
         figures = {"phase_diagram": (drift.plot_phase_diagram(groups, dose, out_dir), drift.CAPTION), **figures}
     crit = critical.critical_lr(runs, fields, dose_field)
@@ -257,7 +260,8 @@ def write_report(
     (out_dir / "pairs_table.md").write_text(pairs_md + "\n")
     (out_dir / "table.json").write_text(
         json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs,
-                    **({"dose": drift.dose_json(dose), "dose_trend": drift.trend_json(trend)} if dose is not None else {}),
+                    **({"dose": drift.dose_json(dose), "dose_trend": drift.trend_json(trend),
+                         "dose_trend_differences": slopes} if dose is not None else {}),
                     **({"outcomes": outcomes} if outcomes else {}),
                     **({"step_size": steps} if steps else {}),
                     **({"critical_lr": critical.critical_json(crit)} if crit else {}),
