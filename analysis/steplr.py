@@ -14,8 +14,10 @@ expected-accuracy AUC when runs logged it, else as analysis.pairs: final eval ac
 | at matched per-update KL | per arm, the mean over seeds of its per-run mean `policy/approx_kl` at each lr; log10 KL is linearly interpolated against log10 lr to find the lr at which the arm reaches KL κ (nan when κ lies outside the KLs it reached, or its KL does not rise with lr: no extrapolation). Each seed's y is then linearly interpolated in log10 lr at that lr, and the paired t runs over seeds. κ: at each lr of the grid, the geometric mean of the two arms' KLs there, where it lies inside both arms' ranges |
 
 Every interval is a 95% Student t interval over seeds (analysis.stats.paired_t) and carries the caveat of
-the sweep's design (analysis.clusters): seeds of one warm start share it, and with several warm starts the
-unit is (warm start, seed), each treated as independent (no cluster contrast here yet). The lr mapping at matched KL
+the sweep's design (analysis.clusters): seeds of one warm start share it. With several warm starts each
+carrying RL seeds (`compare_arms_clustered`), every contrast is instead the cluster contrast (units paired
+within a warm start, a t over warm starts, with the ICC), and the cross-fitting folds split the warm
+starts (alternate warm starts tune, the others are scored, then swapped). The lr mapping at matched KL
 is treated as known (its seed noise is not propagated).
 """
 
@@ -32,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.clusters import CLUSTERED, detect_design, unit
+from analysis.clusters import CLUSTERED, MIN_WARM_STARTS, cluster_contrast, detect_design, unit
 from analysis.figures import finite_mean
 from analysis.load import Run
 from analysis.outcomes import auc, has_expected
@@ -156,6 +158,58 @@ def _row(d: Difference) -> dict[str, Any]:
     return {"diff": d.diff, "lo": d.lo, "hi": d.hi, "p": d.p, "n": d.n_a, "test": d.test, "verdict": verdict(d)}
 
 
+# --- several warm starts: choose on some warm starts, judge over the others ----------------------------
+
+
+def _over_warm_starts(a: dict[Any, float], b: dict[Any, float], cluster_of: dict[Any, str]) -> dict[str, Any]:
+    """analysis.clusters.cluster_contrast of per-unit values a - b (units paired within a warm start), as a
+    row with n = warm starts and the ICC."""
+    by_a: dict[str, dict[Any, float]] = defaultdict(dict)
+    by_b: dict[str, dict[Any, float]] = defaultdict(dict)
+    for u, v in a.items():
+        by_a[cluster_of[u]][u] = v
+    for u, v in b.items():
+        by_b[cluster_of[u]][u] = v
+    c = cluster_contrast(dict(by_a), dict(by_b))
+    words = verdict(c.difference(), min_seeds=MIN_WARM_STARTS).replace("seed(s)", "warm start(s)")
+    return {"diff": c.diff, "lo": c.lo, "hi": c.hi, "p": c.p, "n": c.warm_starts, "test": c.test,
+            "var_between": c.var_between, "icc": c.icc, "verdict": words}  # fmt: skip
+
+
+def compare_arms_clustered(a: Grid, b: Grid, a_kl: Grid | None, b_kl: Grid | None,
+                           cluster_of: dict[Any, str]) -> dict[str, Any]:  # fmt: skip
+    """compare_arms for a sweep over warm starts (units keyed by `cluster_of`, unit -> warm start): every
+    contrast is a t over warm starts (analysis.clusters), and the own-lr folds split the warm starts, not
+    the units, so no warm start both chooses an lr and is scored at it."""
+    units = _seeds(a, b)
+    warm = sorted({cluster_of[u] for u in units})
+    shared = {lr: _over_warm_starts({u: a[lr][u] for u in units}, {u: b[lr][u] for u in units}, cluster_of)
+              for lr in sorted(set(a) & set(b))}  # fmt: skip
+    da, db, folds = {}, {}, []
+    for tune_w, eval_w in halves(warm):
+        tune = [u for u in units if cluster_of[u] in tune_w]
+        scored = [u for u in units if cluster_of[u] in eval_w]
+        if not tune or not scored:
+            continue
+        la, lb = best_lr(a, tune), best_lr(b, tune)
+        folds.append({"tune": sorted(tune_w), "evaluate": sorted(eval_w), "lr_a": la, "lr_b": lb})
+        da.update({u: a[la][u] for u in scored})
+        db.update({u: b[lb][u] for u in scored})
+    la, lb = (best_lr(a, units), best_lr(b, units)) if units else (math.nan, math.nan)
+    naive = _over_warm_starts({u: a[la][u] for u in units} if units else {},
+                              {u: b[lb][u] for u in units} if units else {}, cluster_of)
+    kl_rows = []
+    kl_units = _seeds(a, b, a_kl, b_kl) if a_kl and b_kl else []
+    for lr in sorted(set(a_kl) & set(b_kl)) if len(kl_units) >= 2 else []:
+        kappa = math.sqrt(np.mean([a_kl[lr][u] for u in kl_units]) * np.mean([b_kl[lr][u] for u in kl_units]))
+        ka, kb = lr_at_kl(a_kl, kappa, kl_units), lr_at_kl(b_kl, kappa, kl_units)
+        if math.isfinite(ka) and math.isfinite(kb):
+            kl_rows.append({"kl": kappa, "at_lr": lr, "lr_a": ka, "lr_b": kb, "difference": _over_warm_starts(
+                {u: value_at_lr(a, ka, u) for u in kl_units}, {u: value_at_lr(b, kb, u) for u in kl_units}, cluster_of)})
+    return {"shared": shared, "own_lr": {**_over_warm_starts(da, db, cluster_of), "folds": folds},
+            "in_sample": {**naive, "lr_a": la, "lr_b": lb}, "matched_kl": kl_rows}  # fmt: skip
+
+
 # --- from runs, and from a committed table.json ------------------------------------------------------
 
 
@@ -167,13 +221,16 @@ def _outcome(runs: list[Run]):
     return "final reward", final_reward
 
 
-def arms_from_runs(runs: list[Run], fields: list[str]) -> tuple[str, dict[str, Grid], dict[str, Grid]]:
-    """(outcome name, {arm: outcome grid}, {arm: KL grid}); an arm is a group label less its lr."""
+def arms_from_runs(
+    runs: list[Run], fields: list[str]
+) -> tuple[str, dict[str, Grid], dict[str, Grid], dict[str, str] | None]:
+    """(outcome name, {arm: outcome grid}, {arm: KL grid}, unit -> warm start or None); an arm is a group
+    label less its lr. With several warm starts (analysis.clusters) a unit is "(warm start, seed)" and the
+    last entry maps it to its warm start; else units are seeds and it is None."""
     others = [f for f in fields if f != LR]
     name, per_run = _outcome(runs)
-    # Several warm starts: a seed number recurs on each, so the unit is (warm start, seed); the t over
-    # units then treats them as independent (the cluster contrast of analysis.clusters does not).
     clustered = detect_design(runs).kind == CLUSTERED
+    cluster_of: dict[str, str] = {}
     out: dict[str, Grid] = defaultdict(lambda: defaultdict(dict))
     kl: dict[str, Grid] = defaultdict(lambda: defaultdict(dict))
     for run in runs:
@@ -181,9 +238,12 @@ def arms_from_runs(runs: list[Run], fields: list[str]) -> tuple[str, dict[str, G
         arm = " ".join([run.base_label, *(f"{f.rsplit('.', 1)[-1]}={flat.get(f)}" for f in others)])
         lr = float(flat[LR])
         key = repr(unit(run)) if clustered else run.seed
+        if clustered:
+            cluster_of[key] = repr(unit(run)[0])
         out[arm][lr][key] = float(per_run(run))
         kl[arm][lr][key] = finite_mean(run.series(KL))
-    return name, {k: dict(v) for k, v in out.items()}, {k: dict(v) for k, v in kl.items()}
+    return (name, {k: dict(v) for k, v in out.items()}, {k: dict(v) for k, v in kl.items()},
+            cluster_of if clustered else None)
 
 
 _LR_IN_LABEL = re.compile(r" lr=([0-9.eE+-]+)")
@@ -219,10 +279,16 @@ def comparable_arms(arms: dict[str, Grid]) -> list[tuple[str, str]]:
             if setting(a) == setting(b) and len(set(arms[a]) & set(arms[b])) >= MIN_LRS]  # fmt: skip
 
 
-def steplr_table(name: str, arms: dict[str, Grid], kls: dict[str, Grid]) -> list[dict[str, Any]]:
-    """compare_arms for every comparable pair of arms: [{"a", "b", "outcome", ...}]."""
-    return [{"a": a, "b": b, "outcome": name, **compare_arms(arms[a], arms[b], kls.get(a), kls.get(b))}
-            for a, b in comparable_arms(arms)]  # fmt: skip
+def steplr_table(name: str, arms: dict[str, Grid], kls: dict[str, Grid],
+                 cluster_of: dict[Any, str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """compare_arms (compare_arms_clustered when units map to warm starts) for every comparable pair of
+    arms: [{"a", "b", "outcome", ...}]."""
+    def one(a: str, b: str) -> dict[str, Any]:
+        if cluster_of is None:
+            return compare_arms(arms[a], arms[b], kls.get(a), kls.get(b))
+        return compare_arms_clustered(arms[a], arms[b], kls.get(a), kls.get(b), cluster_of)
+
+    return [{"a": a, "b": b, "outcome": name, **one(a, b)} for a, b in comparable_arms(arms)]
 
 
 def applies(fields: list[str], runs: list[Run]) -> bool:

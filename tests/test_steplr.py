@@ -123,11 +123,11 @@ def test_committed_critical_lr_table_gives_the_own_lr_contrast_recomputed_from_i
     assert own["n"] == 4 and own["verdict"].startswith("no verdict possible")
 
 
-def _run(root: Path, preset: str, lr: float, seed: int, acc: float, kl: float) -> None:
+def _run(root: Path, preset: str, lr: float, seed: int, acc: float, kl: float, build: int = 0) -> None:
     cfg = {"objective": {"name": preset, "preset": preset}, "routing": {"replay": "off"}, "trainer": {"lr": lr},
-           "model": {"seed": 0}, "warmstart": {"enabled": True, "build_seed": 0, "seed": 0}, "seed": seed,
+           "model": {"seed": 0}, "warmstart": {"enabled": True, "build_seed": build, "seed": 0}, "seed": seed,
            "experiment": "hand"}  # fmt: skip
-    folder = root / f"{preset}-{lr}-{seed}"
+    folder = root / f"{preset}-{lr}-{build}-{seed}"
     (folder / ".hydra").mkdir(parents=True)
     (folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     rows = [{"step": s, "rollout/reward/mean": acc, "clip/token_frac": 0.1, "ratio/token/var": 0.01 * (s + 1),
@@ -155,3 +155,48 @@ def test_report_of_an_lr_sweep_has_the_own_lr_section_and_table(tmp_path):
     assert [(f["lr_a"], f["lr_b"]) for f in row["own_lr"]["folds"]] == [(4e-4, 1e-4)] * 2
     assert len(row["shared"]) == 3 and row["matched_kl"]
     assert "## Each objective at its own step size" in report.read_text()
+
+
+def test_clustered_own_lr_chooses_on_half_the_warm_starts_and_judges_over_the_others():
+    """4 warm starts x 3 seeds: folds split warm starts ({0, 2} tune, {1, 3} scored, then swapped); the
+    estimate is the t over warm starts of the scored units' paired differences (loop reference)."""
+    from analysis.steplr import compare_arms_clustered
+
+    rng = np.random.default_rng(9)
+    units = [f"w{w}/s{s}" for w in range(4) for s in range(3)]
+    cluster_of = {u: u.split("/")[0] for u in units}
+    shift = {f"w{w}": 0.05 * rng.normal() for w in range(4)}  # a warm start's own offset, shared by its seeds
+    a = {lr: {u: -((math.log10(lr) + 3.6) ** 2) + shift[cluster_of[u]] + 0.02 * rng.normal() for u in units}
+         for lr in LRS}  # fmt: skip
+    b = {lr: {u: -((math.log10(lr) + 3.3) ** 2) + 0.02 * rng.normal() for u in units} for lr in LRS}
+    row = compare_arms_clustered(a, b, None, None, cluster_of)
+    assert [(f["tune"], f["evaluate"]) for f in row["own_lr"]["folds"]] == [(["w0", "w2"], ["w1", "w3"]),
+                                                                           (["w1", "w3"], ["w0", "w2"])]
+    means = {}
+    for tune_w, eval_w in ((["w0", "w2"], ["w1", "w3"]), (["w1", "w3"], ["w0", "w2"])):
+        tune = [u for u in units if cluster_of[u] in tune_w]
+        la = max(LRS, key=lambda lr: sum(a[lr][u] for u in tune))
+        lb = max(LRS, key=lambda lr: sum(b[lr][u] for u in tune))
+        for w in eval_w:
+            d = [a[la][u] - b[lb][u] for u in units if cluster_of[u] == w]
+            means[w] = sum(d) / len(d)
+    ref = _t_reference([means[w] for w in sorted(means)])
+    own = row["own_lr"]
+    assert (own["diff"], own["lo"], own["hi"], own["p"]) == pytest.approx(ref, rel=1e-10)
+    assert own["n"] == 4 and own["test"] == "t over warm starts"
+
+
+def test_report_of_an_lr_sweep_over_warm_starts_judges_own_lr_over_warm_starts(tmp_path):
+    """4 warm starts x 2 seeds x 3 lrs x 2 objectives: the own-lr rows are t's over 4 warm starts."""
+    rng = np.random.default_rng(6)
+    for build in range(4):
+        for lr in (1e-4, 2e-4, 4e-4):
+            for s in range(2):
+                _run(tmp_path / "sweep", "grpo", lr, s, 0.2 + 1000 * lr + 0.01 * rng.normal(), 10 * lr, build)
+                _run(tmp_path / "sweep", "gspo", lr, s, 0.8 - 1000 * lr + 0.01 * rng.normal(), 20 * lr, build)
+    runs = load_local([tmp_path / "sweep"], progress=False)
+    write_report(runs, tmp_path / "out", "t", ["sweep"])
+    (row,) = json.loads((tmp_path / "out" / "table.json").read_text())["own_lr"]
+    assert row["own_lr"]["n"] == 4 and row["own_lr"]["test"] == "t over warm starts"
+    assert [(f["lr_a"], f["lr_b"]) for f in row["own_lr"]["folds"]] == [(4e-4, 1e-4)] * 2
+    assert all(r["n"] == 4 for r in row["shared"].values()) and row["matched_kl"]
