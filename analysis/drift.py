@@ -36,6 +36,11 @@ independent: the seed, not the run, is the unit. The phase diagram plots the pri
 expected-acc AUC where logged, else final eval accuracy), its paired difference to the reference and the
 collapse rate against the change after one update, the reference as a horizontal band across the
 whole x range. table.json keeps every seed's values and slopes.
+
+Difference of slopes (does the dose cost one arm more than another?): for every two perturbed arms and
+outcome, the paired t over the seeds both ran of slope_a,s − slope_b,s (`trend_differences`; a seed's
+two slopes share its warm start and reference, so the seed is the unit again), with Holm's adjusted p over
+the pairs of arms of one outcome (analysis.stats.holm).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from analysis.figures import BAND, _colors, _finish, finite_mean  # noqa: E402
 from analysis.load import Run, group_label, varying_fields  # noqa: E402
 from analysis.outcomes import auc, format_regression, has_expected, regression_test  # noqa: E402
 from analysis.pairs import collapsed, final_eval, outcome_difference  # noqa: E402
-from analysis.stats import mean_ci, rate_difference, slope_over_seeds, verdict, wilson  # noqa: E402
+from analysis.stats import holm, mean_ci, paired_t, rate_difference, slope_over_seeds, verdict, wilson  # noqa: E402
 from moe_rl.trainer.compare import last_value, run_row  # noqa: E402
 
 FIELD = "routing.drift"
@@ -239,6 +244,38 @@ def trend_json(trend: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
                   for name, t in by_outcome.items()} for arm, by_outcome in trend.items()}  # fmt: skip
 
 
+def trend_differences(trend: dict[str, Any]) -> list[dict[str, Any]]:
+    """From `trend_json`'s form (also a committed table.json's "dose_trend"): for every two arms (in order)
+    and every outcome both have, the paired t over shared seeds of their per-seed slopes, a - b:
+    [{"a", "b", "outcome", "diff", "lo", "hi", "p", "n_a", "n_b", "test", "verdict"}]."""
+    rows = []
+    arms = list(trend)
+    for i, a in enumerate(arms):
+        for b in arms[i + 1:]:
+            for name in (n for n in trend[a] if n in trend[b]):
+                sa, sb = trend[a][name]["per_seed"], trend[b][name]["per_seed"]
+                seeds = sorted(set(sa) & set(sb), key=lambda s: (len(str(s)), str(s)))
+                d = paired_t([sa[s] for s in seeds], [sb[s] for s in seeds])
+                d = dataclasses.replace(d, test="paired t-test over per-seed slopes")
+                rows.append({"a": a, "b": b, "outcome": name, **dataclasses.asdict(d), "verdict": verdict(d)})
+    for name in {r["outcome"] for r in rows}:  # Holm within each outcome's family of arm pairs
+        family = [r for r in rows if r["outcome"] == name]
+        for r, adj in zip(family, holm([r["p"] for r in family]), strict=True):
+            r["p_holm"] = adj
+    return rows
+
+
+def format_trend_differences(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one line per pair of arms and outcome."""
+    lines = ["| a | b | outcome | seeds | slope a − slope b, per +10 points (95% CI) | p | p, Holm over the outcome's "
+             "rows | verdict (uncorrected) |", "|---" * 8 + "|"]
+    for r in rows:
+        ci = f"[{r['lo']:+.4f}, {r['hi']:+.4f}]" if math.isfinite(r["lo"]) else ""
+        lines.append(f"| {r['a']} | {r['b']} | {r['outcome']} | {r['n_a']} | {r['diff']:+.4f} {ci} | {r['p']:.2g} "
+                     f"| {r['p_holm']:.2g} | {_short(r['verdict'])} |")
+    return "\n".join(lines)
+
+
 def _versus(a: list[Run], b: list[Run], permutations: int) -> dict[str, Any]:
     acc = outcome_difference(a, b)
     rate = rate_difference([collapsed(r) for r in a], [collapsed(r) for r in b], permutations)
@@ -412,3 +449,18 @@ def _band(rows: list[dict[str, Any]], stats) -> np.ndarray:
     missing = ~np.isfinite(out[:, 1])
     out[missing, 1:] = out[missing, :1]
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m analysis.drift TABLE.json`: the difference-of-slopes table of a committed report's dose trend."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m analysis.drift path/to/table.json")
+    print(format_trend_differences(trend_differences(json.loads(Path(args[0]).read_text())["dose_trend"])))
+
+
+if __name__ == "__main__":
+    main()

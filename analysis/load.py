@@ -8,7 +8,8 @@ Grouping: a run's base label is its objective preset and replay source, read fro
 same string as `moe_rl.trainer.run.run_label`), never from folder names. Config fields that take more
 than one value among runs with the same base label (a swept lr, model.num_layers, task.difficulty,
 trainer.mini_batches, ...) are detected automatically and appended to the label. Seeds, logging and
-device settings never split a group (see IGNORED): runs that differ only in those are averaged.
+device settings never split a group (see IGNORED): runs that differ only in those are averaged; nor does
+the warm start's build seed (CLUSTER_FIELDS): warm starts are clusters within a group (analysis.clusters).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from moe_rl.trainer.logging import CorruptLogError, read_jsonl
 # Fields that never define a group (the library's list, shared with moe-rl-compare's table).
 IGNORED = NOT_A_GROUP
 IGNORED_PREFIXES = NOT_A_GROUP_PREFIXES
+CLUSTER_FIELDS = frozenset({"warmstart.build_seed"})
+"""Fields that say which warm start a run starts from: a sweep over them draws clusters (analysis.clusters),
+not arms, so they never split a group here (moe-rl-compare's table still splits on them)."""
 
 
 @dataclass
@@ -271,7 +275,7 @@ def varying_fields(runs: list[Run]) -> list[str]:
     varying: set[str] = set()
     for flats in by_base.values():
         for key in set().union(*flats):
-            if not splits_groups(key):
+            if not splits_groups(key) or key in CLUSTER_FIELDS:
                 continue
             if len({_hashable(f.get(key)) for f in flats}) > 1:
                 varying.add(key)

@@ -11,6 +11,10 @@ objective with a swept setting. For each pair (a, b), in group order:
 | expected-acc AUC (runs with `eval/expected_accuracy` only) | mean expected accuracy over training (analysis.outcomes.auc) | as for the outcome: paired by seed when possible; 95% CI | paired t, else Welch |
 | time to sustained regression (same runs) | first eval below 0.8 x the pre-update expected accuracy at two evals in a row, else censored at the last eval (analysis.outcomes) | regressed seeds per arm | log-rank test (arms as independent samples) |
 
+Warm starts (analysis.clusters): the section opens with the sweep's design. When several warm starts each
+carry RL seeds, every pair also gets the outcome (and AUC) contrast formed within each warm start and
+judged by a t over warm starts, with the between-warm-start variance component and the ICC ("clusters").
+
 table.json keeps, per pair, every seed's value of each outcome (`per_seed`), so any number can be re-derived.
 
 Each difference gets a sentence from analysis.stats.verdict: distinguishable from noise at 5% or not,
@@ -23,6 +27,7 @@ import itertools
 import math
 from typing import Any
 
+from analysis.clusters import CLUSTERED, Design, contrast_row, detect_design, format_clusters, unit
 from analysis.load import Run
 from analysis.outcomes import REGRESSION_FRAC, auc, format_regression, has_expected, regression_test
 from analysis.stats import MIN_SEEDS, Difference, paired_t, rate_difference, verdict, welch
@@ -47,11 +52,13 @@ def final_reward(run: Run) -> float:
 
 
 def outcome_difference(a: list[Run], b: list[Run], per_seed=final_eval) -> Difference:
-    """`per_seed(run)` of a minus b: paired t over seeds when both groups ran the same seeds once, else Welch."""
-    by_a, by_b = {r.seed: r for r in a}, {r.seed: r for r in b}
+    """`per_seed(run)` of a minus b: paired t over units (warm start, RL seed) when both groups ran the same
+    units once, else Welch. With several warm starts this treats every unit as independent; the cluster
+    contrast (analysis.clusters) is the one to judge by there."""
+    by_a, by_b = {unit(r): r for r in a}, {unit(r): r for r in b}
     if len(by_a) == len(a) and len(by_b) == len(b) and set(by_a) == set(by_b):
-        seeds = sorted(by_a)
-        return paired_t([per_seed(by_a[s]) for s in seeds], [per_seed(by_b[s]) for s in seeds])
+        units = sorted(by_a, key=repr)
+        return paired_t([per_seed(by_a[u]) for u in units], [per_seed(by_b[u]) for u in units])
     return welch([per_seed(r) for r in a], [per_seed(r) for r in b])
 
 
@@ -69,8 +76,11 @@ def _row(d: Difference) -> dict[str, Any]:
             "verdict": verdict(d)}  # fmt: skip
 
 
-def compare_pair(a: list[Run], b: list[Run], permutations: int = 10_000, seed: int = 0) -> dict[str, Any]:
-    """Outcome and collapse-rate differences a - b, each with its CI, p-value and verdict."""
+def compare_pair(
+    a: list[Run], b: list[Run], permutations: int = 10_000, seed: int = 0, clustered: bool = False
+) -> dict[str, Any]:
+    """Outcome and collapse-rate differences a - b, each with its CI, p-value and verdict; with
+    `clustered`, also the outcome (and AUC) contrast over warm starts with its ICC (analysis.clusters)."""
     use_eval = all(math.isfinite(final_eval(r)) for r in a + b)
     per_seed = final_eval if use_eval else final_reward
     outcome = outcome_difference(a, b, per_seed)
@@ -84,19 +94,27 @@ def compare_pair(a: list[Run], b: list[Run], permutations: int = 10_000, seed: i
         "collapse_diff": _row(rate),
         "auc_diff": _row(outcome_difference(a, b, auc)) if expected else None,
         "regression": regression_test(a, b) if expected else None,
+        "clusters": ({"outcome": contrast_row(a, b, per_seed), **({"auc": contrast_row(a, b, auc)} if expected else {})}
+                     if clustered else None),
         "per_seed": {"a": per_seed_values(a, quantities), "b": per_seed_values(b, quantities)},
     }
 
 
 def per_seed_values(runs: list[Run], quantities: dict[str, Any]) -> dict[str, list]:
-    """{"seed": [seeds], name: [quantity(run) per run, in the same order]} for table.json."""
-    return {"seed": [r.seed for r in runs], **{name: [float(fn(r)) for r in runs] for name, fn in quantities.items()}}
+    """{"seed": [seeds], name: [quantity(run) per run, in the same order]} for table.json; with more than one
+    warm start also "warm_start": [its build seed per run] (analysis.clusters.warm_start_id's first entry)."""
+    out = {"seed": [r.seed for r in runs]}
+    if detect_design(runs).kind == CLUSTERED:
+        out["warm_start"] = [unit(r)[0][0] for r in runs]
+    return {**out, **{name: [float(fn(r)) for r in runs] for name, fn in quantities.items()}}
 
 
 def pairwise(groups: Groups, fields: list[str], permutations: int = 10_000, seed: int = 0) -> list[dict]:
-    """compare_pair for every comparable pair: [{"a": label, "b": label, ...}]."""
+    """compare_pair for every comparable pair: [{"a": label, "b": label, ...}]; cluster contrasts when the
+    sweep's design (analysis.clusters.detect_design over all its runs) is clustered."""
+    clustered = detect_design([r for runs in groups.values() for r in runs]).kind == CLUSTERED
     return [
-        {"a": a, "b": b, **compare_pair(groups[a], groups[b], permutations, seed)}
+        {"a": a, "b": b, **compare_pair(groups[a], groups[b], permutations, seed, clustered)}
         for a, b in comparable_pairs(groups, fields)
     ]
 
@@ -109,10 +127,13 @@ def _ci(row: dict[str, Any]) -> str:
     return f"[{_num(row['lo'])}, {_num(row['hi'])}]"
 
 
-def format_pairs(pairs: list[dict]) -> str:
-    """Markdown: one table row per pair and difference, then one sentence per difference."""
+def format_pairs(pairs: list[dict], design: Design | None = None) -> str:
+    """Markdown: the design's sentence (analysis.clusters) when given, one table row per pair and difference,
+    one sentence per difference, then the cluster contrasts when the design is clustered."""
     if not pairs:
         return "No two groups share the values of every varying config field, so no pair is compared."
+    head = [design.sentence()] if design is not None else []
+    tail = ["### Warm starts as clusters", format_clusters(pairs)] if any(p.get("clusters") for p in pairs) else []
     lines = [
         "| a | b | difference (a - b) | estimate | 95% CI | test | p | seeds (a, b) |",
         "|---" * 8 + "|",
@@ -149,7 +170,7 @@ def format_pairs(pairs: list[dict]) -> str:
         f"two evals in a row, censored otherwise, log-rank test. A verdict needs at least {MIN_SEEDS} seeds per group."
     )
     warn = [p for p in pairs if min(p["outcome_diff"]["n_a"], p["outcome_diff"]["n_b"]) < MIN_SEEDS]
-    parts = ["\n".join(lines), notes, "\n".join(words)]
+    parts = [*head, "\n".join(lines), notes, "\n".join(words), *tail]
     if warn:
         parts.insert(
             0,

@@ -32,9 +32,16 @@ Expected accuracy over training (analysis.outcomes; only when some run logged
 `eval/expected_accuracy`): per group the mean AUC of the expected-accuracy curve with its CI, and the
 seeds with a sustained regression and when.
 
+Each objective at its own step size (analysis.steplr; only when `trainer.lr` takes at least 3 values):
+per pair of arms, the contrast at each shared lr, at each arm's own best lr (cross-fitted over two halves of
+the seeds) and at matched per-update KL.
+
 Pairwise differences (analysis.pairs): outcome and collapse-rate differences between groups that
 differ only in objective / replay (and, with expected accuracy, the paired AUC difference and the
-log-rank test of time to regression), with CIs, p-values and a verdict in words.
+log-rank test of time to regression), with CIs, p-values and a verdict in words, under a sentence on the
+sweep's warm-start design (analysis.clusters): "conditional on one warm start" when every run shares one;
+with several warm starts each carrying RL seeds, also the contrast over warm starts with its
+between-warm-start variance and ICC.
 """
 
 from __future__ import annotations
@@ -45,11 +52,12 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis import critical, drift, engines, offpolicy
+from analysis import critical, drift, engines, offpolicy, steplr
 from analysis.figures import BAND, finite_mean, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.outcomes import CAPTION as outcomes_caption
 from analysis.outcomes import format_outcomes, has_expected, outcomes_table, plot_expected_accuracy
+from analysis.clusters import detect_design
 from analysis.pairs import format_pairs, pairwise
 from analysis.stats import CI_NOTE, mean_ci, wilson
 from moe_rl.trainer.compare import COLUMNS, format_cell, run_row, shown_columns
@@ -216,14 +224,17 @@ def write_report(
     summary_md, collapse_md, pairs_md = (
         format_summary(summary),
         format_collapse(collapse),
-        format_pairs(pairs),
+        format_pairs(pairs, detect_design(runs)),
     )
     by_field = {f: collapse_by_field(runs, f) for f in fields}
     dose_field = drift.dose_field(fields, runs)
     dose = drift.dose_table(groups, permutations, dose_field) if dose_field else None
     if dose is not None:
         trend = drift.dose_trend(groups, dose_field)
-        dose_md = drift.format_dose(dose) + "\n\nDose trend:\n\n" + drift.format_trend(trend)
+        slopes = drift.trend_differences(drift.trend_json(trend))
+        dose_md = (drift.format_dose(dose) + "\n\nDose trend:\n\n" + drift.format_trend(trend)
+                   + ("\n\nDifference of slopes (paired by seed):\n\n" + drift.format_trend_differences(slopes)
+                      if slopes else ""))
         (out_dir / "dose_table.md").write_text(dose_md + "\n")
         figures = {"phase_diagram": (drift.plot_phase_diagram(groups, dose, out_dir), drift.CAPTION), **figures}
     crit = critical.critical_lr(runs, fields, dose_field)
@@ -236,6 +247,10 @@ def write_report(
     if off:
         (out_dir / "offpolicy.md").write_text(off_md + "\n")
         figures = {"offpolicy": (offpolicy.plot_offpolicy(off[0], out_dir), offpolicy.CAPTION), **figures}
+    own = steplr.steplr_table(*steplr.arms_from_runs(runs, fields)) if steplr.applies(fields, runs) else None
+    own_md = steplr.format_steplr(own) if own is not None else ""
+    if own is not None:
+        (out_dir / "own_lr.md").write_text(own_md + "\n")
     eng = engines.engine_table(runs) if engines.applies(runs) else None
     eng_md = engines.format_engines(eng) if eng else ""
     if eng:
@@ -245,10 +260,12 @@ def write_report(
     (out_dir / "pairs_table.md").write_text(pairs_md + "\n")
     (out_dir / "table.json").write_text(
         json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs,
-                    **({"dose": drift.dose_json(dose), "dose_trend": drift.trend_json(trend)} if dose is not None else {}),
+                    **({"dose": drift.dose_json(dose), "dose_trend": drift.trend_json(trend),
+                         "dose_trend_differences": slopes} if dose is not None else {}),
                     **({"outcomes": outcomes} if outcomes else {}),
                     **({"step_size": steps} if steps else {}),
                     **({"critical_lr": critical.critical_json(crit)} if crit else {}),
+                    **({"own_lr": own} if own is not None else {}),
                     **({"offpolicy": offpolicy.offpolicy_json(*off)} if off else {}),
                     **({"engines": engines.engines_json(eng)} if eng else {})}, indent=2)
     )
@@ -287,6 +304,8 @@ def write_report(
         *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in by_field.items()),
         *(["## Dose-response", drift.__doc__.split("\n\n", 1)[1].strip(), dose_md] if dose else []),
         *(["## Critical step size", critical.__doc__.split("\n\n", 1)[1].strip(), crit_md] if crit else []),
+        *(["## Each objective at its own step size", steplr.__doc__.split("\n\n", 1)[1].strip(), own_md]
+          if own is not None else []),
         *(["## Replay against off-policiness", offpolicy.__doc__.split("\n\n", 1)[1].strip(), off_md] if off else []),
         *(["## vLLM engine against hf engine", engines.__doc__.split("\n\n", 1)[1].strip(), eng_md] if eng else []),
         "## Pairwise differences",

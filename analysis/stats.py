@@ -11,6 +11,7 @@ Every number a table or figure aggregates over seeds goes through these, so one 
 | dose trend over seeds | `slope_over_seeds`: one least-squares slope per seed, then `one_sample_t` over the seeds' slopes (n_seeds - 1 dof), so runs sharing a seed are not counted as independent |
 | time to an event (censored) | `logrank`: two-sample log-rank (Mantel–Cox) chi-square, 1 dof |
 | difference of two rates | `rate_difference`: Newcombe's hybrid Wilson score interval (1998, method 10) and a two-sided permutation test of the difference |
+| several tests at once | `holm`: Holm's step-down adjusted p-values, controlling the family-wise error rate |
 | smoothed curve | `ema`: s_0 = x_0, s_t = w · s_{t-1} + (1 - w) · x_t (w = 0: no smoothing) |
 
 Non-finite values are dropped before any statistic: a seed whose value is NaN does not count in n.
@@ -178,6 +179,23 @@ def verdict(d: Difference, alpha: float = 0.05, min_seeds: int = MIN_SEEDS) -> s
     if d.p < alpha:
         return f"distinguishable from noise at {pct} ({d.test}, p = {d.p:.3g})"
     return f"not distinguishable from noise at {pct} ({d.test}, p = {d.p:.3g})"
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's (1979) step-down adjusted p-values, in the input order: with the m finite p sorted ascending,
+    p_(1) <= ... <= p_(m), adj_(i) = min(1, max_{j <= i} (m - j + 1) p_(j)). A family is rejected at level α
+    wherever adj < α, with family-wise error at most α under any dependence. Non-finite p stay nan and do
+    not count in m."""
+    p = np.asarray(pvalues, dtype=np.float64)
+    out = np.full(p.shape, np.nan)
+    idx = np.flatnonzero(np.isfinite(p))
+    order = idx[np.argsort(p[idx], kind="stable")]
+    m = order.size
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * float(p[i])))
+        out[i] = running
+    return [float(x) for x in out]
 
 
 def ema(values: Sequence[float] | np.ndarray, weight: float) -> np.ndarray:

@@ -138,7 +138,7 @@ def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs:
     old_logp, old_trace = _old_policy(ctx, batch, [A], step)
     for lr in lrs:
         for group in ctx.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # the router group keeps trainer.router_lr_scale
         _update(ctx, step, batch, A, old_logp[0], old_trace[0])
         logp_free, trace_free = _forward(ctx, batch, B)
         logp_replay, _ = _forward(ctx, batch, B, lambda: ctx.controller.replay(ref[1]))

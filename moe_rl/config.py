@@ -164,6 +164,12 @@ class TrainerConfig:
     """Linear learning-rate warmup, in optimizer steps."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    router_lr_scale: float = 1.0
+    """The routers' learning rate as a multiple of `lr`: every parameter of every top-k router (the
+    modules `moe_rl.routing.RoutingController` instruments) goes into its own AdamW parameter group at
+    lr x this, with the same warmup. A natural volatility dose: gradient-driven re-routing that persists and
+    that the sampler and eval see, raising expert change without raising the rest of the step. 1 (default):
+    one parameter group, exactly the optimizer of runs before this field. `train/lr` stays the non-router lr."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; null turns clipping off (the norm before clipping is
     logged either way: train/grad_norm, and how often and how much clipping acted)."""
@@ -440,6 +446,11 @@ class Config:
             )
         if t.lr <= 0:
             raise ValueError(f"trainer.lr={t.lr}: must be > 0")
+        if not (math.isfinite(t.router_lr_scale) and t.router_lr_scale > 0):
+            raise ValueError(
+                f"trainer.router_lr_scale={t.router_lr_scale}: must be a finite number > 0 (the routers' lr is "
+                "trainer.lr x this; 1 trains them at trainer.lr)"
+            )
         if t.grad_clip is not None and not t.grad_clip > 0:
             raise ValueError(f"trainer.grad_clip={t.grad_clip}: must be > 0, or null for no clipping")
         if t.checkpoint_every < 0 or t.warmup_steps < 0 or t.threads < 0:

@@ -35,15 +35,20 @@ class MasterAdamW(torch.optim.AdamW):
     the same as plain AdamW's.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], **kwargs: Any) -> None:
-        self.model_params = [p for p in params if p.requires_grad]
-        masters = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+    def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], **kwargs: Any) -> None:
+        given = list(params)
+        groups = given if given and isinstance(given[0], dict) else [{"params": given}]
+        self.model_params, masters = [], []
+        for group in groups:
+            own = [p for p in group["params"] if p.requires_grad]
+            self.model_params += own
+            masters.append({**group, "params": [p.detach().float().clone().requires_grad_(True) for p in own]})
         super().__init__(masters, **kwargs)
 
     @property
     def master_params(self) -> list[torch.Tensor]:
-        """The float32 master weights, in the order of `model_params`."""
-        return self.param_groups[0]["params"]
+        """The float32 master weights, in the order of `model_params` (parameter groups concatenated)."""
+        return [m for group in self.param_groups for m in group["params"]]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -78,10 +83,31 @@ class MasterAdamW(torch.optim.AdamW):
                 p.copy_(m)
 
 
+def router_param_groups(
+    model: torch.nn.Module, routers: Iterable[torch.nn.Module], lr: float, scale: float
+) -> Iterable[torch.nn.Parameter] | list[dict[str, Any]]:
+    """The optimizer's parameters with the routers' at lr x `scale` (trainer.router_lr_scale).
+
+    scale 1: `model.parameters()` itself, one group, so the optimizer (and its checkpoints) are exactly
+    those of runs before the option. Otherwise two groups in `model.parameters()` order: every other
+    parameter at `lr`, then every parameter of `routers` at lr x scale (key "lr_scale" records the factor,
+    for code that resets group lrs). ValueError when no parameter belongs to a router."""
+    if scale == 1:
+        return model.parameters()
+    in_router = {id(p) for r in routers for p in r.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in in_router]
+    own = [p for p in model.parameters() if id(p) in in_router]
+    if not own:
+        raise ValueError(f"trainer.router_lr_scale={scale}: the model has no router parameters to scale")
+    return [{"params": rest}, {"params": own, "lr": lr * scale, "lr_scale": scale}]
+
+
 def make_optimizer(
-    params: Iterable[torch.nn.Parameter], dtype: torch.dtype, master_weights: bool, **kwargs: Any
+    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], dtype: torch.dtype, master_weights: bool,
+    **kwargs: Any,
 ) -> torch.optim.AdamW:
-    """`MasterAdamW` for a low-precision model when `master_weights`, else plain AdamW on the parameters."""
+    """`MasterAdamW` for a low-precision model when `master_weights`, else plain AdamW on the parameters
+    (or parameter groups)."""
     if master_weights and dtype in LOW_PRECISION:
         return MasterAdamW(params, **kwargs)
     return torch.optim.AdamW(params, **kwargs)

@@ -69,7 +69,7 @@ from moe_rl.trainer.logging import (
     read_jsonl,
     to_json,
 )
-from moe_rl.trainer.precision import make_optimizer
+from moe_rl.trainer.precision import make_optimizer, router_param_groups
 from moe_rl.trainer.step import StepContext, rl_step
 from moe_rl.warmstart import warm_start
 
@@ -165,7 +165,7 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
             "trainer.master_weights=false (FSDP2 keeps its shards in model.dtype)"
         )
     optimizer = make_optimizer(
-        model.parameters(),
+        router_param_groups(model, controller.routers, t.lr, t.router_lr_scale),
         getattr(torch, cfg.model.dtype),
         t.master_weights,
         lr=t.lr,
