@@ -146,3 +146,31 @@ def test_single_warm_start_sweep_is_labelled_conditional_and_per_seed_builds_are
     report = write_report(one, tmp_path / "out", "t", ["one"])
     assert "conditional on one warm start" in report.read_text()
     assert json.loads((tmp_path / "out" / "table.json").read_text())["pairs"][0]["clusters"] is None
+
+
+@pytest.mark.slow
+def test_real_tiny_sweep_over_build_seeds_is_read_as_clusters(tmp_path):
+    """A real moe-rl-train sweep, 2 warm starts (build_seed 0, 1) x 2 RL seeds x GRPO, GSPO: moe-rl-analyze
+    reads the design from the runs' .hydra configs, keeps one group per objective and gives a cluster row."""
+    import subprocess
+    import sys
+
+    from test_analysis import SWEEP
+
+    repo = Path(__file__).resolve().parents[1]
+    sweep, out = tmp_path / "sweep", tmp_path / "out"
+    train = [sys.executable, "-m", "moe_rl.train", "-m", *SWEEP, "warmstart.build_seed=0,1",
+             f"warmstart.cache_dir={tmp_path / 'ws'}", f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    subprocess.run(train, cwd=repo, check=True, capture_output=True, text=True, timeout=1200)
+    runs = load_local([sweep], progress=False)
+    design = detect_design(runs)
+    assert (design.kind, design.warm_starts, design.seeds_per_warm_start) == (CLUSTERED, 2, (2, 2))
+    analyze = [sys.executable, "-m", "analysis.cli", str(sweep), "--out", str(out), "--no-progress"]
+    subprocess.run(analyze, cwd=repo, check=True, capture_output=True, text=True, timeout=300)
+    table = json.loads((out / "table.json").read_text())
+    assert set(table["summary"]) == {"grpo (replay=off)", "gspo (replay=off)"}
+    (pair,) = table["pairs"]
+    row = pair["clusters"]["outcome"]
+    assert (row["warm_starts"], row["runs"]) == (2, 4) and row["verdict"].startswith("no verdict possible")
+    assert sorted(pair["per_seed"]["a"]["warm_start"]) == [0, 0, 1, 1]
+    assert "2 warm starts x 2 RL seeds" in (out / "report.md").read_text()
