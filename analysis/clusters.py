@@ -75,6 +75,12 @@ def unit(run: Run) -> tuple:
     return (warm_start_id(run), run.seed)
 
 
+def unit_key(run: Run, clustered: bool) -> int | str:
+    """The key a per-seed table files a run under: its seed, or repr(unit) when the sweep is CLUSTERED (a
+    seed number then recurs on every warm start, and keying by it would merge different units)."""
+    return repr(unit(run)) if clustered else run.seed
+
+
 @dataclass(frozen=True)
 class Design:
     """How a sweep's runs share warm starts."""

@@ -58,7 +58,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from analysis.clusters import CLUSTERED, cluster_contrast, detect_design, unit  # noqa: E402
+from analysis.clusters import CLUSTERED, cluster_contrast, detect_design, unit, unit_key  # noqa: E402
 from analysis.figures import BAND, _colors, _finish, finite_mean  # noqa: E402
 from analysis.load import Run, group_label, varying_fields  # noqa: E402
 from analysis.outcomes import auc, format_regression, has_expected, regression_test  # noqa: E402
@@ -201,12 +201,6 @@ def _one_per_seed(runs: list[Run]) -> list[Run]:
     return list(first.values())
 
 
-def _key(run: Run, clustered: bool) -> Any:
-    """A run's unit in the trend: its seed, or "(warm start, seed)" when the sweep has several warm starts
-    with RL seeds on each (a seed number recurs on every warm start)."""
-    return repr(unit(run)) if clustered else run.seed
-
-
 def dose_trend(groups: Groups, field: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
     """Per perturbed arm and outcome ("final eval acc", and "expected-acc AUC" where logged): the mean over
     seeds of each seed's slope of (outcome - the reference's, same seed) on the measured change after one
@@ -225,11 +219,11 @@ def dose_trend(groups: Groups, field: str | None = None) -> dict[str, dict[str, 
         outcomes = {"final eval acc": final_eval, **({"expected-acc AUC": auc} if has_expected(ref_runs) else {})}
         out[arm] = {}
         for name, outcome in outcomes.items():
-            ref = {_key(r, clustered): outcome(r) for r in ref_runs}
+            ref = {unit_key(r, clustered): outcome(r) for r in ref_runs}
             x: dict[Any, list[float]] = {}
             y: dict[Any, list[float]] = {}
             for r in runs:
-                k = _key(r, clustered)
+                k = unit_key(r, clustered)
                 if k in ref:
                     x.setdefault(k, []).append(_after_one(r) / 0.1)
                     y.setdefault(k, []).append(outcome(r) - ref[k])
