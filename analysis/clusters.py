@@ -75,6 +75,12 @@ def unit(run: Run) -> tuple:
     return (warm_start_id(run), run.seed)
 
 
+def unit_key(run: Run, clustered: bool) -> int | str:
+    """The key a per-seed table files a run under: its seed, or repr(unit) when the sweep is CLUSTERED (a
+    seed number then recurs on every warm start, and keying by it would merge different units)."""
+    return repr(unit(run)) if clustered else run.seed
+
+
 @dataclass(frozen=True)
 class Design:
     """How a sweep's runs share warm starts."""
@@ -100,7 +106,9 @@ class Design:
         per = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
         return (f"Design: **{self.warm_starts} warm starts x {per} RL seeds**: every contrast is formed within a "
                 f"warm start and judged by a t over warm starts (analysis.clusters), with the between-warm-start "
-                f"variance and the ICC beside it.")
+                f"variance and the ICC beside it, in the table \"Warm starts as clusters\". The first table pairs "
+                f"(warm start, seed) units and treats them as independent: its intervals are too narrow whenever "
+                f"the ICC is above 0.")
 
 
 def detect_design(runs: Sequence[Run]) -> Design:
@@ -220,8 +228,10 @@ def format_clusters(pairs: list[dict]) -> str:
     lines = ["| a | b | difference (a - b) | estimate | 95% CI (t over warm starts) | p | warm starts | runs "
              "| σ² between | σ² within | ICC |", "|---" * 11 + "|"]
     words = []
+    names = {"auc": "expected-acc AUC"}
     for pair in pairs:
-        for name, row in (pair.get("clusters") or {}).items():
+        for key, row in (pair.get("clusters") or {}).items():
+            name = pair["outcome"] if key == "outcome" else names.get(key, key)
             lines.append(f"| {pair['a']} | {pair['b']} | {name} | {_num(row['diff'], '+.3g')} "
                          f"| [{_num(row['lo'])}, {_num(row['hi'])}] | {_num(row['p'])} | {row['warm_starts']} "
                          f"| {row['runs']} | {_num(row['var_between'])} | {_num(row['var_within'])} "

@@ -32,7 +32,9 @@ The dose trend: within each seed, the least-squares slope of the outcome (final 
 the reference's at that seed; and the expected-acc AUC, where logged) on the run's measured expert
 change, per 10 percentage points of change; then a one-sample t-test over the seeds' slopes
 (`slope_over_seeds`). A seed's runs share its warm start, eval set and reference, so they are not
-independent: the seed, not the run, is the unit. The phase diagram plots the primary outcome (the
+independent: the seed, not the run, is the unit. In a sweep over several warm starts with RL seeds on each
+(analysis.clusters), the unit is (warm start, seed), and each trend also gets the units' slopes judged
+by a t over warm starts (each warm start's mean slope), with the ICC ("over_warm_starts"). The phase diagram plots the primary outcome (the
 expected-acc AUC where logged, else final eval accuracy), its paired difference to the reference and the
 collapse rate against the change after one update, the reference as a horizontal band across the
 whole x range. table.json keeps every seed's values and slopes.
@@ -56,6 +58,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from analysis.clusters import CLUSTERED, cluster_contrast, detect_design, unit, unit_key  # noqa: E402
 from analysis.figures import BAND, _colors, _finish, finite_mean  # noqa: E402
 from analysis.load import Run, group_label, varying_fields  # noqa: E402
 from analysis.outcomes import auc, format_regression, has_expected, regression_test  # noqa: E402
@@ -190,10 +193,11 @@ def _after_one(run: Run) -> float:
 
 
 def _one_per_seed(runs: list[Run]) -> list[Run]:
-    """The first run of each seed: the reference's runs at every p are the same run (replay wins)."""
-    first: dict[int, Run] = {}
+    """The first run of each unit (warm start, seed): the reference's runs at every p are the same run
+    (replay wins)."""
+    first: dict[tuple, Run] = {}
     for run in runs:
-        first.setdefault(run.seed, run)
+        first.setdefault(unit(run), run)
     return list(first.values())
 
 
@@ -205,6 +209,7 @@ def dose_trend(groups: Groups, field: str | None = None) -> dict[str, dict[str, 
     seed's points without changing its slope; it keeps the y axis that of the dose table's differences."""
     field, arms = _arms(groups, field)
     refs = _references(arms)
+    clustered = detect_design([r for rs in groups.values() for r in rs]).kind == CLUSTERED
     out = {}
     for arm, (setting, cells) in arms.items():
         runs = [r for cell in cells.values() for r in cell]
@@ -214,15 +219,23 @@ def dose_trend(groups: Groups, field: str | None = None) -> dict[str, dict[str, 
         outcomes = {"final eval acc": final_eval, **({"expected-acc AUC": auc} if has_expected(ref_runs) else {})}
         out[arm] = {}
         for name, outcome in outcomes.items():
-            ref = {r.seed: outcome(r) for r in ref_runs}
-            x: dict[int, list[float]] = {}
-            y: dict[int, list[float]] = {}
+            ref = {unit_key(r, clustered): outcome(r) for r in ref_runs}
+            x: dict[Any, list[float]] = {}
+            y: dict[Any, list[float]] = {}
             for r in runs:
-                if r.seed in ref:
-                    x.setdefault(r.seed, []).append(_after_one(r) / 0.1)
-                    y.setdefault(r.seed, []).append(outcome(r) - ref[r.seed])
+                k = unit_key(r, clustered)
+                if k in ref:
+                    x.setdefault(k, []).append(_after_one(r) / 0.1)
+                    y.setdefault(k, []).append(outcome(r) - ref[k])
             slope, per_seed = slope_over_seeds(x, y)
             out[arm][name] = {"slope": slope, "per_seed": per_seed}
+            if clustered:  # the units' slopes judged over warm starts, not as independent units
+                warm = {repr(unit(r)): repr(unit(r)[0]) for r in runs}
+                by_w: dict[str, dict[Any, float]] = {}
+                for k, v in per_seed.items():
+                    by_w.setdefault(warm[k], {})[k] = v
+                c = cluster_contrast(by_w, {w: dict.fromkeys(us, 0.0) for w, us in by_w.items()})
+                out[arm][name]["over_warm_starts"] = dataclasses.asdict(c)
     return out
 
 
@@ -235,12 +248,18 @@ def format_trend(trend: dict[str, dict[str, dict[str, Any]]]) -> str:
             d = t["slope"]
             ci = f"[{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
             lines.append(f"| {arm} | {name} | {d.n_a} | {d.diff:+.3f} {ci} | {d.p:.2g} | {_short(verdict(d))} |")
+            w = t.get("over_warm_starts")
+            if w is not None:
+                wci = f"[{w['lo']:+.3f}, {w['hi']:+.3f}]" if math.isfinite(w["lo"]) else ""
+                lines.append(f"| {arm} | {name}, over {w['warm_starts']} warm starts (ICC {w['icc']:.2f}) "
+                             f"| {w['warm_starts']} | {w['diff']:+.3f} {wci} | {w['p']:.2g} | t over warm starts |")
     return "\n".join(lines)
 
 
 def trend_json(trend: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """The dose trend as plain JSON values (seeds as string keys)."""
-    return {arm: {name: {"slope": dataclasses.asdict(t["slope"]), "per_seed": {str(k): v for k, v in t["per_seed"].items()}}
+    return {arm: {name: {"slope": dataclasses.asdict(t["slope"]), "per_seed": {str(k): v for k, v in t["per_seed"].items()},
+                         **({"over_warm_starts": t["over_warm_starts"]} if "over_warm_starts" in t else {})}
                   for name, t in by_outcome.items()} for arm, by_outcome in trend.items()}  # fmt: skip
 
 

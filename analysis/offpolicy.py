@@ -39,6 +39,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from analysis.clusters import CLUSTERED, detect_design, unit_key  # noqa: E402
 from analysis.drift import _fmt_diff, _short, plain  # noqa: E402
 from analysis.figures import _finish, finite_mean  # noqa: E402
 from analysis.load import Run  # noqa: E402
@@ -118,6 +119,7 @@ def offpolicy_trends(runs: list[Run]) -> dict[str, dict[str, Any]]:
     doubling), its one-sample t-test over seeds, and each seed's slope: {source: {"R2 - off": {...}}}."""
     out: dict[str, dict[str, Any]] = {}
     cells = _cells(runs)
+    clustered = detect_design(runs).kind == CLUSTERED  # then a unit is (warm start, seed): analysis.clusters
     for src in dict.fromkeys(s for s, _ in cells):
         for a, b in TRENDS:
             x: dict[int, list[float]] = {}
@@ -125,11 +127,12 @@ def offpolicy_trends(runs: list[Run]) -> dict[str, dict[str, Any]]:
             for (s, m), arms in cells.items():
                 if s != src or a not in arms or b not in arms:
                     continue
-                other = {r.seed: auc(r) for r in arms[b]}
+                other = {unit_key(r, clustered): auc(r) for r in arms[b]}
                 for r in arms[a]:
-                    if r.seed in other:
-                        x.setdefault(r.seed, []).append(math.log2(m))
-                        y.setdefault(r.seed, []).append(auc(r) - other[r.seed])
+                    k = unit_key(r, clustered)
+                    if k in other:
+                        x.setdefault(k, []).append(math.log2(m))
+                        y.setdefault(k, []).append(auc(r) - other[k])
             if len({v for xs in x.values() for v in xs}) > 1:
                 slope, per_seed = slope_over_seeds(x, y)
                 out.setdefault(src, {})[f"{a} - {b}"] = {"slope": slope, "verdict": verdict(slope), "per_seed": per_seed}

@@ -53,11 +53,11 @@ from pathlib import Path
 from typing import Any
 
 from analysis import critical, drift, engines, offpolicy, steplr
+from analysis.clusters import detect_design
 from analysis.figures import BAND, finite_mean, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.outcomes import CAPTION as outcomes_caption
 from analysis.outcomes import format_outcomes, has_expected, outcomes_table, plot_expected_accuracy
-from analysis.clusters import detect_design
 from analysis.pairs import format_pairs, pairwise
 from analysis.stats import CI_NOTE, mean_ci, wilson
 from moe_rl.trainer.compare import COLUMNS, format_cell, run_row, shown_columns

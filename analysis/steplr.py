@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.clusters import CLUSTERED, MIN_WARM_STARTS, cluster_contrast, detect_design, unit
+from analysis.clusters import CLUSTERED, MIN_WARM_STARTS, cluster_contrast, detect_design, unit, unit_key
 from analysis.figures import finite_mean
 from analysis.load import Run
 from analysis.outcomes import auc, has_expected
@@ -237,7 +237,7 @@ def arms_from_runs(
         flat = run.flat
         arm = " ".join([run.base_label, *(f"{f.rsplit('.', 1)[-1]}={flat.get(f)}" for f in others)])
         lr = float(flat[LR])
-        key = repr(unit(run)) if clustered else run.seed
+        key = unit_key(run, clustered)
         if clustered:
             cluster_of[key] = repr(unit(run)[0])
         out[arm][lr][key] = float(per_run(run))

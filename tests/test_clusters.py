@@ -146,3 +146,74 @@ def test_single_warm_start_sweep_is_labelled_conditional_and_per_seed_builds_are
     report = write_report(one, tmp_path / "out", "t", ["one"])
     assert "conditional on one warm start" in report.read_text()
     assert json.loads((tmp_path / "out" / "table.json").read_text())["pairs"][0]["clusters"] is None
+
+
+@pytest.mark.slow
+def test_real_tiny_sweep_over_build_seeds_is_read_as_clusters(tmp_path):
+    """A real moe-rl-train sweep, 2 warm starts (build_seed 0, 1) x 2 RL seeds x GRPO, GSPO: moe-rl-analyze
+    reads the design from the runs' .hydra configs, keeps one group per objective and gives a cluster row."""
+    import subprocess
+    import sys
+
+    from test_analysis import SWEEP
+
+    repo = Path(__file__).resolve().parents[1]
+    sweep, out = tmp_path / "sweep", tmp_path / "out"
+    train = [sys.executable, "-m", "moe_rl.train", "-m", *SWEEP, "warmstart.build_seed=0,1",
+             f"warmstart.cache_dir={tmp_path / 'ws'}", f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    subprocess.run(train, cwd=repo, check=True, capture_output=True, text=True, timeout=1200)
+    runs = load_local([sweep], progress=False)
+    design = detect_design(runs)
+    assert (design.kind, design.warm_starts, design.seeds_per_warm_start) == (CLUSTERED, 2, (2, 2))
+    analyze = [sys.executable, "-m", "analysis.cli", str(sweep), "--out", str(out), "--no-progress"]
+    subprocess.run(analyze, cwd=repo, check=True, capture_output=True, text=True, timeout=300)
+    table = json.loads((out / "table.json").read_text())
+    assert set(table["summary"]) == {"grpo (replay=off)", "gspo (replay=off)"}
+    (pair,) = table["pairs"]
+    row = pair["clusters"]["outcome"]
+    assert (row["warm_starts"], row["runs"]) == (2, 4) and row["verdict"].startswith("no verdict possible")
+    assert sorted(pair["per_seed"]["a"]["warm_start"]) == [0, 0, 1, 1]
+    assert "2 warm starts x 2 RL seeds" in (out / "report.md").read_text()
+
+
+def test_dose_trend_over_warm_starts_keys_units_and_judges_their_slopes_over_warm_starts(tmp_path):
+    """4 warm starts x 2 seeds, GRPO at σ 0 and 0.4 against GRPO + R2: each (warm start, seed) gets its own
+    slope (no seed's runs merge across warm starts), and "over_warm_starts" is the t over warm-start means."""
+    import yaml as _yaml
+
+    from analysis.drift import dose_trend
+    from analysis.load import group_runs, varying_fields
+
+    slope_of = {w: -0.5 - 0.2 * w for w in range(4)}  # Δ acc per unit of change, per warm start
+    root = tmp_path / "sweep"
+    for w in range(4):
+        for s in range(2):
+            for preset, replay, sigma, change in (("grpo_rr", "old", 0.0, 0.0), ("grpo", "off", 0.0, 0.0),
+                                                  ("grpo", "off", 0.4, 0.1 + 0.02 * s)):  # fmt: skip
+                acc = 0.5 + 0.01 * s + 0.1 * w + (slope_of[w] * change + 0.003 * s if preset == "grpo" else 0.0)
+                cfg = {"objective": {"name": "grpo", "preset": preset}, "routing": {"replay": replay, "logit_noise": sigma},
+                       "trainer": {"lr": 1e-4}, "model": {"seed": 0}, "seed": s, "experiment": "hand",
+                       "warmstart": {"enabled": True, "build_seed": w, "seed": 0}}  # fmt: skip
+                folder = root / f"{preset}-{sigma}-{w}-{s}"
+                (folder / ".hydra").mkdir(parents=True)
+                (folder / ".hydra" / "config.yaml").write_text(_yaml.safe_dump(cfg))
+                rows = [{"step": i, "rollout/reward/mean": acc, "routing/expert_change/after_one_update": change,
+                         "eval/accuracy": acc} for i in range(2)]  # fmt: skip
+                (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+                (folder / "summary.json").write_text(json.dumps({"objective": preset, "replay": replay, "seed": s}))
+    runs = load_local([root], progress=False)
+    fields = varying_fields(runs)
+    assert fields == ["routing.logit_noise"]
+    trend = dose_trend(group_runs(runs, fields))["grpo (replay=off)"]["final eval acc"]
+    assert len(trend["per_seed"]) == 8 and trend["slope"].n_a == 8
+    units = {}
+    for w in range(4):
+        for s in range(2):
+            change = 0.1 + 0.02 * s
+            units[(w, s)] = slope_of[w] * change / (change / 0.1)  # per 10 points; the seed's offset cancels
+    means = [sum(units[(w, s)] for s in range(2)) / 2 for w in range(4)]
+    over = trend["over_warm_starts"]
+    assert over["warm_starts"] == 4 and over["diff"] == pytest.approx(sum(means) / 4, rel=1e-9)
+    k, m = 4, sum(means) / 4
+    half = sps.t.ppf(0.975, k - 1) * math.sqrt(sum((x - m) ** 2 for x in means) / (k - 1) / k)
+    assert (over["lo"], over["hi"]) == pytest.approx((m - half, m + half), rel=1e-9)
