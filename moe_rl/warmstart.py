@@ -62,11 +62,11 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from moe_rl.errors import RunError
-from moe_rl.trainer.logging import jsonable
 from moe_rl.models import ModelConfig, build_model
 from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.rollout import SamplerConfig, position_ids_from_mask, sample
 from moe_rl.tasks import DatasetTask, Example, Task, make_task, split_seed
+from moe_rl.trainer.logging import jsonable
 
 FORMAT_VERSION = 2
 """Bump when the training procedure changes so old cache entries stop matching (2: fixed build
