@@ -324,6 +324,29 @@ def test_bpe_is_trained_on_the_data_and_cached_by_content(tmp_path):
     assert len(list((tmp_path / "tok").iterdir())) == 2
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "no_checksum"])
+def test_a_damaged_bpe_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
+    """A cached tokenizer.json that is garbage, truncated, or has no checksum beside it is rebuilt (one
+    warning naming the entry), giving the same tokenizer as before, never a JSON traceback."""
+    cfg = ModelConfig(tokenizer="bpe", bpe_vocab_size=300, tokenizer_cache_dir=str(tmp_path / "tok"))
+    task = DatasetTask(dataset_cfg(write_rows(tmp_path, "jsonl")))
+    vocab = policy_tokenizer(cfg, task).get_vocab()
+    (entry,) = (tmp_path / "tok").iterdir()
+    cached = entry / "tokenizer.json"
+    if damage == "garbage":
+        cached.write_text("{not json")
+    elif damage == "truncated":
+        cached.write_bytes(cached.read_bytes()[:100])
+    else:
+        (entry / "tokenizer.json.sha256").unlink()
+    with pytest.warns(RuntimeWarning, match=f"tokenizer cache entry {entry}.*rebuilding it"):
+        again = policy_tokenizer(cfg, task)
+    assert again.get_vocab() == vocab and (entry / "tokenizer.json.sha256").is_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rebuilt entry is trusted again
+        assert policy_tokenizer(cfg, task).get_vocab() == vocab
+
+
 def test_warm_start_key_holds_the_data_and_tokenizer():
     """A dataset's identity and a bpe tokenizer enter the warm-start cache key; the tokenizer cache folder
     does not, and char keeps the keys entries had before model.tokenizer existed (tests/test_pretrain.py)."""

@@ -8,6 +8,8 @@ bpe (`bpe_tokenizer`): a byte-level BPE trained with `tokenizers` on a corpus (t
 training text), the same four special tokens first. Training is deterministic, and the result is cached
 as `<model.tokenizer_cache_dir>/bpe-<key[:16]>/tokenizer.json`, `key` the sha256 of the corpus, the
 vocabulary size and BPE_FORMAT, so a run and its resume, or two runs on one dataset, share one tokenizer.
+A `tokenizer.json.sha256` beside it holds the file's sha256; an entry whose checksum is missing or does not
+match (a truncated or garbled file) is rebuilt, with a warning naming it, as the warm-start cache does.
 
 Both prepend `<bos>` when encoding and pad on the left, as batched sampling needs; the caller appends
 `<eos>` to demonstrations. `policy_tokenizer` picks one for a model config and a task.
@@ -19,6 +21,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,16 +96,23 @@ def bpe_tokenizer(corpus: list[str], vocab_size: int, cache_dir: str) -> PreTrai
     for text in corpus:
         digest.update(text.encode() + b"\0")
     path = Path(cache_dir).expanduser() / f"bpe-{digest.hexdigest()[:16]}" / "tokenizer.json"
+    checksum = path.with_name("tokenizer.json.sha256")
     if path.is_file():
-        return _wrap(Tokenizer.from_file(str(path)))
+        problem = _cache_problem(path, checksum)
+        if problem is None:
+            return _wrap(Tokenizer.from_file(str(path)))
+        warnings.warn(f"tokenizer cache entry {path.parent} {problem}: rebuilding it", RuntimeWarning, stacklevel=2)
     core = train_bpe(corpus, vocab_size)
-    try:  # written under a temporary name and renamed: a reader never sees half a file
+    try:  # written under temporary names and renamed, checksum last: a reader never trusts half an entry
         path.parent.mkdir(parents=True, exist_ok=True)
+        checksum.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer.json.tmp-")
         os.close(fd)
         try:
             core.save(tmp)
             os.replace(tmp, path)
+            Path(tmp).write_text(_sha256(path))
+            os.replace(tmp, checksum)
         finally:
             Path(tmp).unlink(missing_ok=True)
     except OSError as err:
@@ -111,6 +121,23 @@ def bpe_tokenizer(corpus: list[str], vocab_size: int, cache_dir: str) -> PreTrai
             "model.tokenizer_cache_dir to a writable folder"
         ) from err
     return _wrap(core)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _cache_problem(path: Path, checksum: Path) -> str | None:
+    """Why a cached tokenizer.json cannot be trusted (no checksum, a checksum mismatch, unreadable), or None."""
+    if not checksum.is_file():
+        return "has no checksum (written by an older moe-rl, or interrupted)"
+    if checksum.read_text().strip() != _sha256(path):
+        return "is corrupt (checksum mismatch: truncated or overwritten)"
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises its own exception type
+        return f"does not load ({type(err).__name__})"
+    return None
 
 
 def policy_tokenizer(model_cfg: ModelConfig, task: Task) -> PreTrainedTokenizerFast:
