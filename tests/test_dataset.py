@@ -324,6 +324,25 @@ def test_bpe_is_trained_on_the_data_and_cached_by_content(tmp_path):
     assert len(list((tmp_path / "tok").iterdir())) == 2
 
 
+@pytest.mark.parametrize("value, kind", [([7, 7], "list"), ({"text": "hi"}, "dict"), (14.0, "float"), (True, "bool")])
+def test_a_field_that_is_not_text_is_refused_naming_it(tmp_path, value, kind):
+    """A prompt, answer or template field holding a list, a struct, a float or a bool (here in parquet, which
+    keeps the types) is refused naming the option, field, row and type; integers are taken in decimal."""
+    for field, option in (("question", "task.prompt_field"), ("answer", "task.answer_field")):
+        rows = [{**r} for r in ROWS]
+        rows[3][field] = value
+        for r in rows:  # one type per column, as parquet needs
+            r[field] = r[field] if r is rows[3] else type(value)() if kind != "float" else float(r["id"])
+        folder = tmp_path / f"{field}-{kind}"
+        folder.mkdir()
+        with pytest.raises(ValueError, match=rf"{option}: field '{field}' of row \d+ of .* is a {kind} .*not text"):
+            DatasetTask(dataset_cfg(write_rows(folder, "parquet", rows)))
+    ints = [{**r, "answer": 2 * r["id"] + 1} for r in ROWS]
+    (tmp_path / "ints").mkdir()
+    task = DatasetTask(dataset_cfg(write_rows(tmp_path / "ints", "parquet", ints)))
+    assert task.answers[:3] == ["1", "3", "5"]
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "no_checksum"])
 def test_a_damaged_bpe_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
     """A cached tokenizer.json that is garbage, truncated, or has no checksum beside it is rebuilt (one

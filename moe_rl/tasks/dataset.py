@@ -133,10 +133,25 @@ def _root_cause(err: BaseException) -> BaseException:
     return err
 
 
+def _check_text(option: str, name: str, value: Any, row: int, path: str) -> None:
+    """The rule for a field that becomes text: a string as it is, an integer in decimal; anything else (a
+    float, a bool, a list, a struct, bytes) is refused naming the field, the row and the type, since its
+    printed form ('14.0', '[7, 7]', "{'text': ...}") is rarely the text meant."""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise ValueError(
+        f"{option}: field {name!r} of row {row} of {path} is a {type(value).__name__} ({shown}), not text; "
+        "strings are taken as they are and integers in decimal: store this column as strings"
+    )
+
+
 def _texts(
     cfg: TaskConfig, rows: list[dict[str, Any]], fields: list[str]
 ) -> tuple[list[str], list[str]]:
-    """Each row's formatted prompt and answer text; ValueError naming a missing field or an empty value."""
+    """Each row's formatted prompt and answer text; ValueError naming a missing field, an empty value, or a
+    value that is not text (`_check_text`)."""
     wanted = [("task.prompt_field", cfg.prompt_field), ("task.answer_field", cfg.answer_field)]
     wanted += [("task.template", name) for name in template_fields(cfg.template) if name != "prompt"]
     for option, name in wanted:
@@ -147,6 +162,8 @@ def _texts(
         for option in ("prompt_field", "answer_field"):
             if row[getattr(cfg, option)] is None:
                 raise ValueError(f"task.{option}: row {i} of {cfg.path} has no {getattr(cfg, option)!r} (null)")
+        for option, name in wanted:
+            _check_text(option, name, row[name], i, cfg.path)
         try:
             prompts.append(cfg.template.format(**{**row, "prompt": row[cfg.prompt_field]}))
         except (ValueError, TypeError, KeyError, IndexError) as err:
