@@ -343,6 +343,27 @@ def test_a_field_that_is_not_text_is_refused_naming_it(tmp_path, value, kind):
     assert task.answers[:3] == ["1", "3", "5"]
 
 
+def test_repeated_rows_are_counted_and_dedupe_drops_them(tmp_path):
+    """200 copies of 20 rows: a warning counts the 180 repeats and the held-out rows that are also training
+    prompts (all 20 here); task.dedupe=true keeps the 20 distinct rows, says how many it dropped, and then no
+    held-out prompt is a training prompt."""
+    rows = [ROWS[i % 20] for i in range(200)]
+    path = write_rows(tmp_path, "jsonl", rows)
+    with pytest.warns(RuntimeWarning, match=r"180 of its 200 rows repeat an earlier row; 20 of the 20 held-out "
+                                            r"rows have a prompt that is also a training prompt.*task.dedupe=true"):
+        task = DatasetTask(dataset_cfg(path))
+    assert len(task.train_rows) + len(task.heldout_rows) == 200
+    with pytest.warns(RuntimeWarning, match=r"task.dedupe=true: dropped 180 repeated rows .*\(20 distinct kept\)") as seen:
+        task = DatasetTask(dataset_cfg(path, dedupe=True))
+    assert not [w for w in seen if "held-out" in str(w.message)]
+    assert len(task.train_rows) + len(task.heldout_rows) == 20
+    assert not {task.prompts[i] for i in task.heldout_rows} & {task.prompts[i] for i in task.train_rows}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # distinct rows: no warning
+        (tmp_path / "distinct").mkdir()
+        DatasetTask(dataset_cfg(write_rows(tmp_path / "distinct", "jsonl")))
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "no_checksum"])
 def test_a_damaged_bpe_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
     """A cached tokenizer.json that is garbage, truncated, or has no checksum beside it is rebuilt (one
@@ -430,7 +451,9 @@ def test_bad_input_exits_2_in_one_line_writing_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for (overrides, field), run, result in zip(cases, runs, json.loads(proc.stdout), strict=True):
         assert result["code"] == 2, (overrides, result["stderr"])
-        lines = [line for line in result["stderr"].splitlines() if line.strip()]
+        # The example file repeats 3 of its 1000 rows: its one-line note about that comes before the error.
+        lines = [line for line in result["stderr"].splitlines()
+                 if line.strip() and "rows repeat an earlier row" not in line]
         assert len(lines) == 1 and field in lines[0], (overrides, result["stderr"])
         assert not (run / "metrics.jsonl").exists() and not (run / "checkpoint.pt").exists(), overrides
 

@@ -74,6 +74,10 @@ class TaskConfig:
     split_seed: int = 0
     """Seed of the train / held-out partition of the rows. Fixed across run seeds, so every run of a
     dataset is evaluated on the same held-out rows, as eval.seed fixes a synthetic task's eval set."""
+    dedupe: bool = False
+    """Drop repeated rows (the same formatted prompt and answer) before the split, keeping each one's first
+    occurrence. Without it repeated rows are kept, and a warning counts them and the held-out rows whose
+    prompt is also a training prompt (which then measure recall, not generalisation)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad task field that needs no file to check."""

@@ -186,10 +186,29 @@ class DatasetTask(Task):
         self.cfg = cfg
         self.rows, self.fields = load_rows(cfg)
         self.prompts, self.answers = _texts(cfg, self.rows, self.fields)
-        order = list(range(len(self.rows)))
+        first = {}  # each distinct (prompt, answer) -> its first row
+        for i, pair in enumerate(zip(self.prompts, self.answers, strict=True)):
+            first.setdefault(pair, i)
+        repeated = len(self.rows) - len(first)
+        kept = sorted(first.values()) if cfg.dedupe else list(range(len(self.rows)))
+        order = list(kept)
         random.Random(cfg.split_seed).shuffle(order)
         k = max(1, round(cfg.heldout * len(order))) if cfg.heldout > 0 else 0
         self.heldout_rows, self.train_rows = order[:k], order[k:]
+        train_prompts = {self.prompts[i] for i in self.train_rows}
+        leaked = sum(self.prompts[i] in train_prompts for i in self.heldout_rows)
+        if cfg.dedupe and repeated:
+            warnings.warn(f"task.dedupe=true: dropped {repeated} repeated rows of {cfg.path} "
+                          f"({len(kept)} distinct kept)", RuntimeWarning, stacklevel=2)
+        if (repeated and not cfg.dedupe) or leaked:
+            again = f"{repeated} of its {len(self.rows)} rows repeat an earlier row; " if not cfg.dedupe else ""
+            warnings.warn(
+                f"{cfg.path}: {again}{leaked} of the {len(self.heldout_rows)} held-out rows have a prompt that "
+                "is also a training prompt, so they measure recall, not generalisation"
+                + (": task.dedupe=true drops repeated rows" if repeated and not cfg.dedupe else ""),
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if not self.train_rows:
             raise ValueError(
                 f"task.heldout={cfg.heldout}: {cfg.path} has {len(order)} rows, all held out; lower it or add rows"
