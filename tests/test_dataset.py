@@ -297,6 +297,29 @@ def test_prompt_longer_than_the_model_holds_is_refused_at_start_up_naming_the_ro
     compose_config([*small, "model.max_position_embeddings=8192"]).load_task()
 
 
+def test_max_prompt_tokens_refuses_or_truncates(tmp_path):
+    """task.max_prompt_tokens=100 refuses the 2 longer prompts naming the longest row, or with
+    prompt_overflow=truncate cuts them to their first 100 tokens (a warning counts them) so the run fits the
+    model; the other prompts are untouched; a bad value or mode is refused naming the field."""
+    rows = [{"question": f"What is {a} plus 1?", "answer": f"#### {a + 1}"} for a in range(200)]
+    rows[7]["question"] = "7 " * 300
+    rows[9]["question"] = "9 " * 2500
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    small = ["task=dataset", f"task.path={path}", "eval.size=4", "eval.expected_size=4", "warmstart.enabled=false",
+             "task.max_prompt_tokens=100"]
+    with pytest.raises(ValueError, match=r"task.max_prompt_tokens=100: 2 of 200 prompts .* longer \(row 9: 50\d\d tokens\)"):
+        compose_config(small).load_task()
+    with pytest.warns(RuntimeWarning, match=r"task.max_prompt_tokens=100: cut 2 of 200 prompts .* row 9, had 50\d\d"):
+        task = compose_config([*small, "task.prompt_overflow=truncate"]).load_task()
+    tok = build_tokenizer(task.alphabet)
+    assert task.prompts[9] == ("9 " * 50) and len(tok(task.prompts[7], add_special_tokens=False).input_ids) == 100
+    assert task.prompts[8] == "What is 8 plus 1?"
+    for bad, field in (("task.max_prompt_tokens=0", "task.max_prompt_tokens"), ("task.prompt_overflow=cut", "task.prompt_overflow")):
+        with pytest.raises(ValueError, match=field):
+            compose_config([*small, bad])
+
+
 def test_char_tokenizer_covers_the_data_and_synthetic_tokenizer_is_unchanged(tmp_path):
     """char over a dataset has a token for every character of its rows (no <unk>); for a synthetic task it
     is today's tokenizer, token for token."""

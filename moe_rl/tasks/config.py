@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from moe_rl.tasks.verifiers import REWARD_FN_SPEC, VERIFIERS
 
 DATASET = "dataset"
+PROMPT_OVERFLOW = ("refuse", "truncate")
 """`task.name` of the dataset task (moe_rl.tasks.dataset); not in the synthetic registry `TASKS`."""
 
 
@@ -74,6 +75,14 @@ class TaskConfig:
     split_seed: int = 0
     """Seed of the train / held-out partition of the rows. Fixed across run seeds, so every run of a
     dataset is evaluated on the same held-out rows, as eval.seed fixes a synthetic task's eval set."""
+    max_prompt_tokens: int | None = None
+    """A dataset prompt longer than this many tokens (of the policy's tokenizer, formatted) is handled by
+    `prompt_overflow`; None: only the model's own limit applies (a prompt's tokens plus
+    sampler.max_new_tokens must fit its positions, always checked at start-up)."""
+    prompt_overflow: str = "refuse"
+    """What a prompt over max_prompt_tokens gets: `refuse` (start-up fails naming the longest row and how
+    many are over) or `truncate` (its first max_prompt_tokens tokens are kept, decoded back to text, with a
+    one-line warning counting the rows cut)."""
     dedupe: bool = False
     """Drop repeated rows (the same formatted prompt and answer) before the split, keeping each one's first
     occurrence. Without it repeated rows are kept, and a warning counts them and the held-out rows whose
@@ -116,6 +125,10 @@ class TaskConfig:
             raise ValueError(f"task.heldout={self.heldout}: must be in [0, 1)")
         if self.split_seed < 0:
             raise ValueError(f"task.split_seed={self.split_seed}: must be >= 0")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"task.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1 (or null)")
+        if self.prompt_overflow not in PROMPT_OVERFLOW:
+            raise ValueError(f"task.prompt_overflow={self.prompt_overflow!r}: expected one of {PROMPT_OVERFLOW}")
         template_fields(self.template)
 
 

@@ -76,7 +76,8 @@ def check_prompt_lengths(task: DatasetTask, cfg: Config) -> None:
     """Every prompt's tokens plus sampler.max_new_tokens must fit the model's positions; ValueError naming the
     longest row (else the first forward fails with a giant allocation). Checked for a model built from config
     (model.max_position_embeddings, its own tokenizer) and for a local model.pretrained folder (its
-    config.json and tokenizer); a hub id is not fetched for it."""
+    config.json and tokenizer); a hub id is not fetched for it. task.max_prompt_tokens is applied first,
+    with the same tokenizer (`_cap_prompts`)."""
     if cfg.model.pretrained:
         folder = Path(cfg.model.pretrained).expanduser()
         if not (folder / "config.json").is_file():
@@ -84,12 +85,14 @@ def check_prompt_lengths(task: DatasetTask, cfg: Config) -> None:
         from transformers import AutoTokenizer
 
         limit = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
-        if not isinstance(limit, int):
-            return
         tokenizer, where = AutoTokenizer.from_pretrained(str(folder)), f"{folder}'s max_position_embeddings"
     else:
         tokenizer, limit = policy_tokenizer(cfg.model, task), cfg.model.max_position_embeddings
         where = "model.max_position_embeddings"
+    if cfg.task.max_prompt_tokens is not None:
+        _cap_prompts(task, tokenizer, cfg.task.max_prompt_tokens, cfg.task.prompt_overflow)
+    if not isinstance(limit, int):
+        return
     room = limit - cfg.sampler.max_new_tokens
     # A character is at most 4 tokens (byte-level BPE on a 4-byte UTF-8 character), plus a few special tokens:
     # only prompts that could overflow are tokenized.
@@ -104,3 +107,28 @@ def check_prompt_lengths(task: DatasetTask, cfg: Config) -> None:
             f"{cfg.sampler.max_new_tokens} that is {lengths[longest] + cfg.sampler.max_new_tokens} positions, "
             f"more than {where}={limit}: shorten or drop those rows, or lower sampler.max_new_tokens"
         )
+
+
+def _cap_prompts(task: DatasetTask, tokenizer, cap: int, overflow: str) -> None:
+    """task.max_prompt_tokens: refuse the prompts over `cap` tokens (naming the longest) or cut them to their
+    first `cap` tokens, decoded back to text, in place (a warning counts them)."""
+    suspects = [r for r, text in enumerate(task.prompts) if 4 * len(text) + 8 > cap]
+    ids = {r: tokenizer(task.prompts[r], add_special_tokens=False).input_ids for r in suspects}
+    over = [r for r, tokens in ids.items() if len(tokens) > cap]
+    if not over:
+        return
+    longest = max(over, key=lambda r: len(ids[r]))
+    if overflow == "refuse":
+        raise ValueError(
+            f"task.max_prompt_tokens={cap}: {len(over)} of {len(task.prompts)} prompts of {task.cfg.path} are "
+            f"longer (row {longest}: {len(ids[longest])} tokens): drop or shorten them, raise the limit, or set "
+            "task.prompt_overflow=truncate"
+        )
+    for r in over:
+        task.prompts[r] = tokenizer.decode(ids[r][:cap])
+    warnings.warn(
+        f"task.max_prompt_tokens={cap}: cut {len(over)} of {len(task.prompts)} prompts of {task.cfg.path} to their "
+        f"first {cap} tokens (the longest, row {longest}, had {len(ids[longest])})",
+        RuntimeWarning,
+        stacklevel=3,
+    )
