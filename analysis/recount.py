@@ -30,25 +30,15 @@ REPLAYED = ("reward_collapse", "eval_regression")
 """The kinds whose events the replay recomputes."""
 
 
-def _get(config: dict, dotted: str, default):
-    """A config value by dotted name; `default` when the run's config lacks it (a folder without
-    .hydra/config.yaml keeps only summary.json's fields)."""
-    node = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
 def replayed_events(run: Run, cfg: CollapseConfig | None = None) -> list[CollapseEvent]:
     """The `reward_collapse` and `eval_regression` events the current rule finds in the run's rows."""
     cfg = cfg or CollapseConfig()
-    warmup = _get(run.config, "collapse.warmup_steps", cfg.warmup_steps)
+    flat = run.flat  # a folder without .hydra/config.yaml keeps only summary.json's fields: defaults then
+    warmup = flat.get("collapse.warmup_steps", cfg.warmup_steps)
     det = CollapseDetector(dataclasses.replace(cfg, warmup_steps=warmup))
     # Unknown sizes give a NaN fallback error: those steps are then not observations.
-    prompts = _get(run.config, "trainer.prompts_per_step", math.nan)
-    expected_size = _get(run.config, "eval.expected_size", math.nan)
+    prompts = flat.get("trainer.prompts_per_step", math.nan)
+    expected_size = flat.get("eval.expected_size", math.nan)
     for row in run.rows:
         step = int(row["step"])
         if step >= warmup and "rollout/reward/mean" in row:

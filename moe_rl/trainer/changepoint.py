@@ -133,9 +133,3 @@ class LevelDrop:
         else:
             self.excursion = (self.excursion + [obs])[-self.window :]
         return fired
-
-    def threshold(self) -> float:
-        """The level whose crossing the statistic accumulates: the reference's midpoint (1 + frac) μ / 2
-        (NaN without a reference); an event's `threshold`."""
-        ref = self.reference()
-        return (1 + self.frac) / 2 * ref[0] if ref else math.nan

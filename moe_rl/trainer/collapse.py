@@ -223,8 +223,8 @@ class CollapseDetector:
 def level_event(test: LevelDrop, step: int, kind: str, x: float, se: float) -> CollapseEvent | None:
     """Feed one observation x (standard error se) to a level test; the `kind` event at `step` if it fired
     (detail: the reference it fell from). CollapseDetector calls it for both tests; analysis.recount too."""
-    ref = test.reference()
     if not test.update(x, se):
         return None
-    mu, sigma, _, h = ref  # a test fires only against a full reference
-    return CollapseEvent(step, kind, x, test.threshold(), {"reference": mu, "sigma": sigma, "cusum": test.s, "h": h})
+    mu, sigma, _, h = test.reference()  # the one it fired against: a drop keeps its reference frozen
+    threshold = (1 + test.frac) / 2 * mu  # the level whose crossing the statistic accumulates
+    return CollapseEvent(step, kind, x, threshold, {"reference": mu, "sigma": sigma, "cusum": test.s, "h": h})
