@@ -16,7 +16,7 @@ batches as RL would, and splits each batch's rows in two halves:
   re-routing's own: the updated policy routed freely against the updated policy replaying the old
   routing (so the update's direct effect on every weight cancels, and every row compares like with like).
 
-Injections (moe_rl.trainer.perturb): `drift` p (expert dropout), `logit_noise` σ (the top-k of z + σε),
+Injections (moe_rl.trainer.plan): `drift` p (expert dropout), `logit_noise` σ (the top-k of z + σε),
 `logit_noise_staleness` σ (the mean over mini-batches j = 2..M of the change at σ·sqrt(j-1), what
 `routing.noise_growth=sqrt` gives over a step), `weight_noise` σ_w (router weights + N(0, σ_w²)).
 
@@ -50,17 +50,11 @@ from moe_rl.routing import (
     predicted_change,
     router_margins,
 )
-from moe_rl.trainer.perturb import step_noise
-from moe_rl.trainer.run import _context
-from moe_rl.trainer.step import (
-    Batch,
-    StepContext,
-    _old_policy,
-    _response_positions,
-    _rollout,
-    _update,
-    rl_step,
-)
+from moe_rl.trainer.batch import Batch
+from moe_rl.trainer.plan import RoutingPlan, perturbs, step_noise
+from moe_rl.trainer.reduce import response_positions
+from moe_rl.trainer.run import build_context
+from moe_rl.trainer.step import StepContext, old_policy, rl_step, update
 
 KINDS = ("drift", "logit_noise", "logit_noise_staleness", "weight_noise")
 DEFAULTS = {
@@ -135,17 +129,19 @@ def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs:
     model_state = copy.deepcopy(ctx.model.state_dict())
     opt_state = copy.deepcopy(ctx.optimizer.state_dict())
     sched_state = ctx.scheduler.state_dict()
-    old_logp, old_trace = _old_policy(ctx, batch, [A], step)
+    batch.minibatches = [A]
+    plan = RoutingPlan(ctx.cfg.routing, ctx.controller, batch, step, ctx.cfg.seed)  # unperturbed (main)
+    old = old_policy(ctx, batch, plan)
     for lr in lrs:
         for group in ctx.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)  # the router group keeps trainer.router_lr_scale
-        _update(ctx, step, batch, A, old_logp[0], old_trace[0])
+        update(ctx, batch, old, plan, 0)
         logp_free, trace_free = _forward(ctx, batch, B)
         logp_replay, _ = _forward(ctx, batch, B, lambda: ctx.controller.replay(ref[1]))
         # The re-routing's own effect: the updated policy routed freely against the same policy replaying
         # the old routing (R2), so the update's direct effect on every weight cancels.
         _compare(meas, ("natural", lr), (logp_replay, ref[1]), (logp_free, trace_free),
-                 _response_positions(batch, B), batch.response_mask_BR[B])
+                 response_positions(batch, B), batch.response_mask_BR[B])
         ctx.model.load_state_dict(model_state)
         ctx.optimizer.load_state_dict(opt_state)
         ctx.scheduler.load_state_dict(sched_state)
@@ -165,13 +161,14 @@ def calibrate(
         rl_step(ctx, step)
         bar.update()
     for step in range(rl_steps, rl_steps + batches):
-        roll, rewards_B, _ = _rollout(ctx, step)
+        roll, scores = ctx.sampler.rollout(ctx.task, step, ctx.shard)
+        rewards_B = scores.rewards_B
         adv_B = group_advantages(rewards_B, ctx.cfg.trainer.group_size, normalize_std=ctx.cfg.objective.normalize_std)
         n = len(rewards_B)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(step))
         batch = Batch.from_rollout(roll, adv_B, perm)
         A, B = slice(0, n // 2), slice(n // 2, n)
-        resp, mask = _response_positions(batch, B), batch.response_mask_BR[B]
+        resp, mask = response_positions(batch, B), batch.response_mask_BR[B]
         ref = _forward(ctx, batch, B)
         logits = ref[1].router_logits_BTLE[resp]
         if ctx.controller.num_experts > K:
@@ -348,12 +345,12 @@ def main(argv: list[str] | None = None) -> None:
             cfg = to_config(compose(config_name="config", overrides=args.overrides))
         except ValueError as err:
             sys.exit(f"moe-rl-calibrate: {err}")
-    if cfg.routing.drift or cfg.routing.logit_noise or cfg.routing.weight_noise or cfg.routing.replay != "off":
+    if perturbs(cfg.routing):
         sys.exit("moe-rl-calibrate: calibrate a clean policy: leave routing.drift, logit_noise, weight_noise at 0 "
                  "and routing.replay=off (each injection is applied by the calibration itself)")
     if args.batches < 1 or args.rl_steps < 0:
         sys.exit(f"moe-rl-calibrate: --batches={args.batches} must be >= 1, --rl-steps={args.rl_steps} >= 0")
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     scales = {k: getattr(args, k) for k in DEFAULTS}
     result = calibrate(ctx, args.batches, args.lrs or [cfg.trainer.lr], scales, args.rl_steps)
     write(result, args.out)

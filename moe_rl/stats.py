@@ -53,6 +53,12 @@ def ratio(num: Tensor, den: Tensor) -> Stat:
     return Stat("mean", (num.double(), den.double()))
 
 
+def weighted(x: float, weight: float) -> Stat:
+    """A value that is already a mean over `weight` entries (a rank's), pooled weighted by them; NaN (no
+    entries to average) counts for nothing."""
+    return Stat("mean", (0.0, 0.0) if math.isnan(x) else (x * weight, weight))
+
+
 def scalar(x: float) -> Stat:
     """One number per rank (a loss, a gradient norm), averaged over ranks and mini-batches alike."""
     return Stat("mean", (float(x), 1.0))

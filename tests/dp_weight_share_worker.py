@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dp_weight_share_worker.py OUT.json
 
 Every rank computes each objective's metrics on its rows of two mini-batches of `weight_batch`, reduces
-them over ranks (`reduce_metrics`) and mini-batches (`over_minibatches`, `ratio_extremes`) as the step
+them over ranks (`moe_rl.stats.combine`, as the step pools a mini-batch) and mini-batches (`over_minibatches`, `ratio_extremes`) as the step
 does; rank 0 writes the result per objective to OUT.json.
 """
 
@@ -42,18 +42,16 @@ def rows(minibatch: int, rank: int, world: int) -> slice:
 
 def step_metrics(name: str, rank: int, world: int, gather) -> dict[str, float]:
     """One objective's metrics as the step reduces them, with `gather` the all-gather of picklable objects."""
-    from moe_rl.objectives import OBJECTIVES
-    from moe_rl.trainer.distributed import reduce_metrics
+    from moe_rl import stats as S
+    from moe_rl.objectives import OBJECTIVES, ObjectiveInputs
     from moe_rl.trainer.step_metrics import over_minibatches, ratio_extremes
 
     logp_BT, old_BT, adv_B, mask_BT = weight_batch()
     per_mb = []
     for j in range(2):
         sl = rows(j, rank, world)
-        _, m = OBJECTIVES[name](logp_BT[sl], old_BT[sl], adv_B[sl], mask_BT[sl], **CLIP)
-        n = {"rows": float(sl.stop - sl.start), "tokens": float(mask_BT[sl].sum()), "positions": 0.0}
-        ranks = gather((m, n))
-        per_mb.append(reduce_metrics([r[0] for r in ranks], [r[1] for r in ranks]))
+        _, stats = OBJECTIVES[name].compute(ObjectiveInputs(logp_BT[sl], old_BT[sl], adv_B[sl], mask_BT[sl], **CLIP))
+        per_mb.append(S.values(S.combine(gather(S.to_floats(stats)))))
     return {**over_minibatches(per_mb), **ratio_extremes(per_mb)}
 
 

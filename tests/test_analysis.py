@@ -32,7 +32,7 @@ PRESETS = {
 }
 
 
-def _config(preset: str, seed: int, lr: float) -> dict:
+def run_config(preset: str, seed: int, lr: float) -> dict:
     name, replay, low, high = PRESETS[preset]
     return {
         "objective": {"name": name, "preset": preset, "clip_low": low, "clip_high": high},
@@ -45,7 +45,7 @@ def _config(preset: str, seed: int, lr: float) -> dict:
     }
 
 
-def _metrics(clip: list, collapse_last: float = 0.0) -> list[dict]:
+def run_metrics(clip: list, collapse_last: float = 0.0) -> list[dict]:
     rows = []
     for step, c in enumerate(clip):
         rows.append({
@@ -59,7 +59,7 @@ def _metrics(clip: list, collapse_last: float = 0.0) -> list[dict]:
     return rows
 
 
-def _write_run(folder: Path, config: dict, rows: list[dict], events: list[dict] = ()) -> Path:
+def write_run(folder: Path, config: dict, rows: list[dict], events: list[dict] = ()) -> Path:
     """A run folder as moe-rl-train writes it: metrics.jsonl, events.jsonl, summary.json, .hydra/config.yaml."""
     (folder / ".hydra").mkdir(parents=True)
     (folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
@@ -76,14 +76,14 @@ def _write_run(folder: Path, config: dict, rows: list[dict], events: list[dict] 
 def hand_sweep(tmp_path: Path) -> Path:
     """grpo at two lrs (two seeds at 1e-4, one collapsing), gspo at 1e-4; folder names deliberately misleading."""
     root = tmp_path / "sweep"
-    _write_run(root / "objective=gspo,seed=0", _config("grpo", 0, 1e-4), _metrics([0.1, 0.3, 0.2]))
-    _write_run(root / "objective=gspo,seed=1", _config("grpo", 1, 1e-4), _metrics([0.4, "nan", 0.6], 1.0),
+    write_run(root / "objective=gspo,seed=0", run_config("grpo", 0, 1e-4), run_metrics([0.1, 0.3, 0.2]))
+    write_run(root / "objective=gspo,seed=1", run_config("grpo", 1, 1e-4), run_metrics([0.4, "nan", 0.6], 1.0),
                [{"step": 2, "kind": "reward", "value": 0.1, "threshold": 0.2}])  # fmt: skip
-    _write_run(root / "lr" / "objective=grpo,seed=0", _config("grpo", 0, 3e-4), _metrics([0.5, 0.5, 0.5]))
-    _write_run(root / "objective=grpo,seed=9", _config("gspo", 0, 1e-4), _metrics([0.0, 0.0, 0.02]))
+    write_run(root / "lr" / "objective=grpo,seed=0", run_config("grpo", 0, 3e-4), run_metrics([0.5, 0.5, 0.5]))
+    write_run(root / "objective=grpo,seed=9", run_config("gspo", 0, 1e-4), run_metrics([0.0, 0.0, 0.02]))
     (root / "unfinished").mkdir()
     (root / "unfinished" / "metrics.jsonl").write_text(
-        json.dumps(_metrics([0.9])[0]) + "\n"
+        json.dumps(run_metrics([0.9])[0]) + "\n"
     )  # no summary.json
     return root
 
@@ -127,9 +127,9 @@ def test_loader_groups_by_config_fields_and_skips_nan(hand_sweep):
 def test_varying_model_field_is_detected_and_labelled(tmp_path):
     """A swept model.num_layers is found without being named and appears in the labels as num_layers=N."""
     for layers in (1, 2):
-        config = _config("gspo", 0, 1e-4)
+        config = run_config("gspo", 0, 1e-4)
         config["model"]["num_layers"] = layers
-        _write_run(tmp_path / f"run{layers}", config, _metrics([0.1]))
+        write_run(tmp_path / f"run{layers}", config, run_metrics([0.1]))
     runs = load_local([tmp_path], progress=False)
     assert varying_fields(runs) == ["model.num_layers"]
     assert list(group_runs(runs)) == ["gspo (replay=off) num_layers=1", "gspo (replay=off) num_layers=2"]
@@ -152,7 +152,7 @@ class _FakeWandbRun:
 def test_wandb_runs_become_the_same_records_as_local_runs(hand_sweep, monkeypatch):
     """load_wandb asks the public API for the group's runs and turns each into the Run its local folder gives."""
     local = read_local_run(hand_sweep / "objective=gspo,seed=1")
-    fake = _FakeWandbRun(local.config, _metrics([0.4, "nan", 0.6], 1.0))
+    fake = _FakeWandbRun(local.config, run_metrics([0.4, "nan", 0.6], 1.0))
     calls = []
 
     class Api:
@@ -188,14 +188,14 @@ def test_report_on_handwritten_runs_links_figures_and_field_tables(hand_sweep, t
 
 
 def _drift_run(root: Path, preset: str, seed: int, drift: float, acc: float, change: float, events: int) -> None:
-    config = _config(preset, seed, 1e-4)
+    config = run_config(preset, seed, 1e-4)
     config["routing"]["drift"] = drift
-    rows = _metrics([0.1, 0.1], collapse_last=float(events))
+    rows = run_metrics([0.1, 0.1], collapse_last=float(events))
     for row in rows:
         row["routing/expert_change/response_frac"] = row["routing/expert_change/after_one_update"] = change
     rows[-1]["eval/accuracy"] = acc
     kinds = [{"step": 1, "kind": "ratio_blowup", "value": 2e3, "threshold": 1e3}] * events
-    _write_run(root / f"{preset}-{drift}-{seed}", config, rows, kinds)
+    write_run(root / f"{preset}-{drift}-{seed}", config, rows, kinds)
 
 
 def test_drift_sweep_gets_a_dose_table_against_the_replay_arm_and_a_phase_diagram(tmp_path):
@@ -253,15 +253,15 @@ def test_logit_noise_sweep_is_a_dose_table_on_the_change_after_one_update(tmp_pa
     for seed in range(5):
         for preset, sigma, acc, after_one in (("grpo_rr", 0.0, 0.6, 0.002), ("grpo", 0.0, 0.6, 0.002),
                                               ("grpo", 0.4, 0.4, 0.12)):  # fmt: skip
-            config = _config(preset, seed, 1e-4)
+            config = run_config(preset, seed, 1e-4)
             config["routing"]["logit_noise"] = sigma
-            rows = _metrics([0.1, 0.1])
+            rows = run_metrics([0.1, 0.1])
             for i, row in enumerate(rows):
                 row["routing/expert_change/response_frac"] = 2 * after_one  # later mini-batches see more
                 row["routing/expert_change/after_one_update"] = after_one
                 row["policy/extreme_weight_share"] = 0.1 * i if sigma else 0.0
             rows[-1]["eval/accuracy"], rows[-1]["eval/accuracy_greedy"] = acc + 0.01 * seed, acc
-            _write_run(root / f"{preset}-{sigma}-{seed}", config, rows, [])
+            write_run(root / f"{preset}-{sigma}-{seed}", config, rows, [])
     runs = load_local([root], progress=False)
     fields = varying_fields(runs)
     assert dose_field(fields) == "routing.logit_noise"
@@ -402,7 +402,7 @@ def _length_runs(root: Path) -> None:
     """grpo and gspo, 3 seeds, 2 steps each, logging two populated length bins and an empty third one."""
     for preset, scale in (("grpo", 1.0), ("gspo", 0.5)):
         for seed in range(3):
-            rows = _metrics([0.1, 0.2])
+            rows = run_metrics([0.1, 0.2])
             for step, row in enumerate(rows):
                 for b, base in (("1-4", 0.01), ("5-8", 0.04)):
                     row[f"length/{b}/token_var"] = scale * base * (1 + seed) * (1 + step)
@@ -411,7 +411,7 @@ def _length_runs(root: Path) -> None:
                     row[f"length/{b}/seqs"] = 20.0 + step
                 row.update({"length/9-16/token_var": "nan", "length/9-16/within_seq_var": "nan",
                             "length/9-16/seq_var": "nan", "length/9-16/seqs": 0.0})  # fmt: skip
-            _write_run(root / f"{preset}-{seed}", _config(preset, seed, 1e-4), rows)
+            write_run(root / f"{preset}-{seed}", run_config(preset, seed, 1e-4), rows)
 
 
 def test_length_variance_figure_from_handwritten_runs(tmp_path, hand_sweep):
@@ -487,11 +487,11 @@ def test_step_table_averages_change_and_kl_per_run_then_over_seeds(tmp_path):
     root = tmp_path / "sweep"
     per_run = {}
     for seed in range(3):
-        rows = _metrics([0.1, 0.1, 0.1])
+        rows = run_metrics([0.1, 0.1, 0.1])
         for i, row in enumerate(rows):
             row["routing/expert_change/after_one_update"] = 0.01 * (seed + 1) * (i + 1)
             row["policy/approx_kl"] = 1e-3 * (seed + i)
-        _write_run(root / f"r{seed}", _config("grpo", seed, 1e-4), rows)
+        write_run(root / f"r{seed}", run_config("grpo", seed, 1e-4), rows)
         per_run[seed] = (0.02 * (seed + 1), 1e-3 * (seed + 1))
     table = step_table(group_runs(load_local([root], progress=False)))
     (row,) = table.values()

@@ -6,16 +6,18 @@ import math
 import pytest
 import torch
 from conftest import FAMILIES, WARM
-from test_routing import _reference_block
-from test_train import TINY, _comparable, _read_metrics, compose_config
+from test_routing import reference_block
+from test_train import TINY, comparable, compose_config, read_metrics
 
 from moe_rl.models import ModelConfig, build_model
 from moe_rl.rollout import sample
 from moe_rl.routing import RoutingController
+from moe_rl.trainer.batch import Batch
 from moe_rl.trainer.distributed import param_checksum
+from moe_rl.trainer.plan import RoutingPlan
 from moe_rl.trainer.precision import MASTER_KEY, MasterAdamW, make_optimizer
-from moe_rl.trainer.run import _context, train
-from moe_rl.trainer.step import Batch, _old_policy, _update
+from moe_rl.trainer.run import build_context, train
+from moe_rl.trainer.step import old_policy, update
 
 BF16 = [*TINY, "model.dtype=bfloat16", "logger.wandb=false"]
 
@@ -65,11 +67,11 @@ def test_bf16_replay_forces_recorded_experts_after_an_update(tokenizer):
     assert not torch.equal(free.trace.expert_ids, rec.trace.expert_ids)
     h_NH = seen["h"].reshape(-1, seen["h"].shape[-1])
     ids_NK = rec.trace.expert_ids[:, :, 1].reshape(h_NH.shape[0], -1).long()
-    want = _reference_block(block, h_NH, ids_NK)
+    want = reference_block(block, h_NH, ids_NK)
     got = seen["y"].reshape(h_NH.shape).double()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max().detach()))
     free_ids_NK = free.trace.expert_ids[:, :, 1].reshape(h_NH.shape[0], -1).long()
-    assert (got - _reference_block(block, h_NH, free_ids_NK)).abs().max() > 0.1 * want.abs().max()
+    assert (got - reference_block(block, h_NH, free_ids_NK)).abs().max() > 0.1 * want.abs().max()
 
 
 @pytest.mark.parametrize("replay", ["off", "old"])
@@ -77,7 +79,7 @@ def test_bf16_first_minibatch_is_exactly_on_policy(replay):
     """In bfloat16 the first mini-batch's update forward equals the old-policy forward: every token ratio is
     exactly 1, nothing is clipped and no expert changes, with replay off or old."""
     cfg = compose_config([*BF16, "warmstart.enabled=false", "objective=grpo", f"routing.replay={replay}"])
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     assert next(ctx.model.parameters()).dtype == torch.bfloat16 and isinstance(ctx.optimizer, MasterAdamW)
     roll = sample(
         ctx.model,
@@ -89,10 +91,13 @@ def test_bf16_first_minibatch_is_exactly_on_policy(replay):
     )
     adv_B = torch.randn(8, generator=torch.Generator().manual_seed(1))
     batch = Batch.from_rollout(roll, adv_B, torch.arange(8))
-    old_logps, old_traces = _old_policy(ctx, batch, [slice(0, 8)])
-    metrics, change = _update(ctx, 0, batch, slice(0, 8), old_logps[0], old_traces[0])
+    batch.minibatches = [slice(0, 8)]
+    plan = RoutingPlan(cfg.routing, ctx.controller, batch, 0, cfg.seed)
+    old = old_policy(ctx, batch, plan)
+    result = update(ctx, batch, old, plan, 0)
+    metrics, change = result.metrics, result.change
     assert metrics["ratio/token/max"] == 1.0 and metrics["ratio/token/min"] == 1.0
-    assert metrics["clip/token_frac"] == 0.0 and not any(change["layers"]) and change["response"] == [0.0]
+    assert metrics["clip/token_frac"] == 0.0 and not any(change.layers) and change.response == 0.0
     assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
 
 
@@ -162,7 +167,7 @@ def test_optimizer_choice_follows_dtype_and_master_weights():
     assert type(make_optimizer(p, torch.float32, True, lr=1e-3)) is torch.optim.AdamW
     assert type(make_optimizer(p, torch.bfloat16, False, lr=1e-3)) is torch.optim.AdamW
     assert type(make_optimizer(p, torch.bfloat16, True, lr=1e-3)) is MasterAdamW
-    ctx, _ = _context(compose_config([*BF16, "warmstart.enabled=false", "trainer.master_weights=false"]))
+    ctx, _ = build_context(compose_config([*BF16, "warmstart.enabled=false", "trainer.master_weights=false"]))
     assert type(ctx.optimizer) is torch.optim.AdamW
 
 
@@ -186,8 +191,8 @@ def test_bf16_warm_started_run_end_to_end(tmp_path):
     assert first["warmstart_accuracy"] >= 0.1
     # On-policy mini-batch: same weights, same bf16 kernels, so the routers choose exactly as the old forward.
     assert f["routing/expert_change/first_minibatch"] == 0.0 and math.isfinite(f["ratio/token/var"])
-    assert _comparable([first["final"]]) == _comparable([second["final"]])  # all but timings
-    ctx, _ = _context(cfg)
+    assert comparable([first["final"]]) == comparable([second["final"]])  # all but timings
+    ctx, _ = build_context(cfg)
     assert next(ctx.model.parameters()).dtype == torch.bfloat16
     assert first["param_checksum_by_rank"][0] != param_checksum(ctx.model)  # the warm start moved
 
@@ -209,4 +214,4 @@ def test_bf16_resume_matches_uninterrupted_run(tmp_path):
     train(full, tmp_path / "full")
     train(compose_config([*overrides, "trainer.steps=1"]), tmp_path / "cut")
     train(compose_config([*overrides, "resume=true"]), tmp_path / "cut")
-    assert _comparable(_read_metrics(tmp_path / "cut")) == _comparable(_read_metrics(tmp_path / "full"))
+    assert comparable(read_metrics(tmp_path / "cut")) == comparable(read_metrics(tmp_path / "full"))

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import TINY, _comparable, _read_metrics, compose_config
+from test_train import TINY, comparable, compose_config, read_metrics
 
 from moe_rl.config import TrainerConfig
 from moe_rl.models import ModelConfig, build_model
 from moe_rl.rollout import SamplerConfig, sample
 from moe_rl.trainer.checkpoint import read_checkpoint
-from moe_rl.trainer.distributed import check_world, minibatch_rows, reduce_metrics
+from moe_rl.trainer.distributed import check_world, minibatch_rows
 from moe_rl.trainer.run import train
 
 TOL = 1e-4
@@ -88,55 +88,32 @@ def test_sampler_rows_reproduce_the_whole_batch(tokenizer):
     )
 
 
-def test_metrics_reduce_by_kind():
-    """Means are weighted by each rank's rows, tokens or positions as the metric averages over them (NaN
-    skipped); */max and time/* take the max, */min the min (NaN skipped), */sum, throughputs and byte
-    counts add up."""
-    counts = [{"rows": 4.0, "tokens": 1.0, "positions": 2.0}, {"rows": 4.0, "tokens": 3.0, "positions": 6.0}]
-    out = reduce_metrics(
-        [
-            {
-                "train/loss": 1.0,
-                "ratio/token/mean": 1.0,
-                "routing/entropy/mean": 2.0,
-                "clip/seq_frac": float("nan"),
-                "ratio/token/max": 2.0,
-                "ratio/token/min": 0.5,
-                "time/step_s": 3.0,
-                "throughput/tokens_per_s": 10.0,
-                "routing/replay_cache_bytes": 4.0,
-                "policy/grad_weight/sum": 1.5,
-                "ratio/token/neg_adv/max": float("nan"),
-            },
-            {
-                "train/loss": 3.0,
-                "ratio/token/mean": 2.0,
-                "routing/entropy/mean": 4.0,
-                "clip/seq_frac": 0.5,
-                "ratio/token/max": 1.5,
-                "ratio/token/min": 0.7,
-                "time/step_s": 4.0,
-                "throughput/tokens_per_s": 20.0,
-                "routing/replay_cache_bytes": 4.0,
-                "policy/grad_weight/sum": 2.5,
-                "ratio/token/neg_adv/max": 3.0,
-            },
-        ],
-        counts,
-    )
-    assert out == {
-        "train/loss": 2.0,
-        "ratio/token/mean": 1.75,
+def test_step_scalars_reduce_by_the_kind_they_carry():
+    """The step's own scalars reduce over ranks by the reduction attached to each value (no name list):
+    a mean weighted by each rank's rows, tokens or positions (a rank's NaN counts for nothing), the max of
+    stage times, the sum of throughputs and byte counts."""
+    from moe_rl import stats as S
+
+    ranks = [
+        {"routing/load_cv/mean": S.weighted(1.0, 4.0), "mismatch/logp_abs_diff/mean": S.weighted(1.0, 1.0),
+         "routing/entropy/mean": S.weighted(2.0, 2.0), "minibatch/sibling_frac": S.weighted(float("nan"), 4.0),
+         "time/step_s": S.Stat("max", (3.0,)), "throughput/tokens_per_s": S.Stat("sum", (10.0,)),
+         "routing/replay_cache_bytes": S.Stat("sum", (4.0,))},
+        {"routing/load_cv/mean": S.weighted(3.0, 4.0), "mismatch/logp_abs_diff/mean": S.weighted(2.0, 3.0),
+         "routing/entropy/mean": S.weighted(4.0, 6.0), "minibatch/sibling_frac": S.weighted(0.5, 4.0),
+         "time/step_s": S.Stat("max", (4.0,)), "throughput/tokens_per_s": S.Stat("sum", (20.0,)),
+         "routing/replay_cache_bytes": S.Stat("sum", (4.0,))},
+    ]
+    assert S.values(S.combine(ranks)) == {
+        "routing/load_cv/mean": 2.0,
+        "mismatch/logp_abs_diff/mean": 1.75,
         "routing/entropy/mean": 3.5,
-        "clip/seq_frac": 0.5,
-        "ratio/token/max": 2.0,
-        "ratio/token/min": 0.5,
+        "minibatch/sibling_frac": 0.5,
         "time/step_s": 4.0,
         "throughput/tokens_per_s": 30.0,
         "routing/replay_cache_bytes": 8.0,
-        "policy/grad_weight/sum": 4.0,
-        "ratio/token/neg_adv/max": 3.0,
     }
+    assert math.isnan(S.values(S.combine([ranks[0]]))["minibatch/sibling_frac"])
 
 
 SHARE_KEYS = ("policy/grad_weight/sum", "policy/extreme_grad_weight/sum", "policy/extreme_weight_share")
@@ -161,21 +138,22 @@ def test_weight_share_and_sign_extremes_reduce_exactly_over_ranks_and_minibatche
     one rank has no token of a sign (NaN there)."""
     from dp_weight_share_worker import CLIP, rows, weight_batch
 
-    from moe_rl.objectives import OBJECTIVES
+    from moe_rl import stats as S
+    from moe_rl.objectives import OBJECTIVES, ObjectiveInputs
     from moe_rl.objectives.common import extreme_weight_share
     from moe_rl.trainer.step_metrics import over_minibatches, ratio_extremes
 
     logp_BT, old_BT, adv_B, mask_BT = weight_batch()
     per_mb, shares, per_rank_mb0 = [], [], []
     for j in range(2):
-        ms, ns = [], []
+        ms, stats = [], []
         for rank in range(2):
             sl = rows(j, rank, 2)
-            _, m = OBJECTIVES[name](logp_BT[sl], old_BT[sl], adv_B[sl], mask_BT[sl], **CLIP)
-            ms.append(m)
-            ns.append({"rows": 2.0, "tokens": float(mask_BT[sl].sum()), "positions": 0.0})
-            shares.append(extreme_weight_share(m)["policy/extreme_weight_share"])
-        per_mb.append(reduce_metrics(ms, ns))
+            _, st = OBJECTIVES[name].compute(ObjectiveInputs(logp_BT[sl], old_BT[sl], adv_B[sl], mask_BT[sl], **CLIP))
+            stats.append(S.to_floats(st))
+            ms.append(S.values(st))
+            shares.append(extreme_weight_share(ms[-1])["policy/extreme_weight_share"])
+        per_mb.append(S.values(S.combine(stats)))  # as the step pools a mini-batch over ranks
         per_rank_mb0 = per_rank_mb0 or ms
     got, want = {**over_minibatches(per_mb), **ratio_extremes(per_mb)}, _pooled(name)
     assert math.isnan(per_rank_mb0[0]["ratio/token/neg_adv/max"])  # rank 0's first rows: no negative advantage
@@ -275,7 +253,7 @@ def test_two_processes_keep_ranks_identical_and_match_one_process(runs):
     root, _, two = runs
     assert two["world_size"] == 2
     assert two["param_checksum_by_rank"][0] == two["param_checksum_by_rank"][1]
-    one_rows, two_rows = _read_metrics(root / "one"), _read_metrics(root / "two")
+    one_rows, two_rows = read_metrics(root / "one"), read_metrics(root / "two")
     assert [r["step"] for r in two_rows] == [0, 1, 2, 3]
     for a, b in zip(one_rows, two_rows, strict=True):
         assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
@@ -316,7 +294,7 @@ def test_two_process_run_resumes_to_the_same_metrics(runs):
     cut = root / "cut"
     _run(cut, [*overrides, "trainer.steps=2"])
     resumed = _run(cut, [*overrides, "resume=true"])
-    assert _comparable(_read_metrics(cut)) == _comparable(_read_metrics(root / "two"))
+    assert comparable(read_metrics(cut)) == comparable(read_metrics(root / "two"))
     assert resumed["param_checksum_by_rank"] == two["param_checksum_by_rank"]
 
 
@@ -327,7 +305,7 @@ def test_fsdp_two_processes_match_one_process(runs):
     root, overrides, _ = runs
     fsdp = root / "fsdp"
     _run(fsdp, [*overrides, "trainer.steps=2", "trainer.parallel=fsdp"])
-    for a, b in zip(_read_metrics(root / "one")[:2], _read_metrics(fsdp), strict=True):
+    for a, b in zip(read_metrics(root / "one")[:2], read_metrics(fsdp), strict=True):
         assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
         for key in ("train/loss", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=TOL, abs=TOL), key

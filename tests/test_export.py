@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import moe_rl.trainer.run as run_module
 from moe_rl.trainer.checkpoint import read_checkpoint
 from moe_rl.trainer.export import export_policy
-from moe_rl.trainer.run import _context, train
+from moe_rl.trainer.run import build_context, train
 from moe_rl.trainer.step import rl_step
 
 BASE = [*TINY, "warmstart.enabled=false", "logger.wandb=false", "objective=grpo", "trainer.lr=1e-2",
@@ -22,7 +22,7 @@ def test_from_pretrained_gives_identical_logits(tmp_path):
     gives bitwise the same logits; its tokenizer encodes a prompt to the same ids; moe_rl.json has the step,
     the metrics and the config."""
     cfg = compose_config(BASE)
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     metrics = rl_step(ctx, 0)
     path = export_policy(tmp_path, ctx.model, ctx.tokenizer, config={"seed": 0}, step=1, metrics=metrics)
     loaded = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -81,7 +81,7 @@ def test_pretrained_policy_continues_training(tmp_path, warm_overrides):
     train(compose_config(first), tmp_path / "first")
     policy = tmp_path / "first" / "policy"
     cfg = compose_config([*BASE, f"model.pretrained={policy}"])
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     exported = read_checkpoint(tmp_path / "first" / "checkpoint.pt")["model"]
     for key, value in ctx.model.state_dict().items():
         assert torch.equal(value, exported[key]), key

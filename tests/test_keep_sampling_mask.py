@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_noise import _same
+from test_noise import same_rows
 from test_train import TINY, compose_config
 from torch.testing import assert_close
 
 from moe_rl.rollout import SamplerConfig, response_logprobs, sample
-from moe_rl.rollout.sampler import _draw
+from moe_rl.rollout.sampler import draw_tokens
 from moe_rl.rollout.support import SamplingSupport, renormalised_logprobs
-from moe_rl.trainer.run import _context
+from moe_rl.trainer.run import build_context
 from moe_rl.trainer.step import rl_step
 
 
@@ -64,7 +64,7 @@ def test_draw_records_the_nucleus_it_drew_from_even_under_ties():
     # Four tied tokens straddle the 0.5 cut: the warper keeps some of them, arbitrarily but once.
     logits_BV = torch.tensor([[3.0, 1.0, 1.0, 1.0, 1.0, -2.0, 0.0]]).repeat(64, 1)
     cfg = SamplerConfig(temperature=1.0, top_p=0.5)
-    tok_B, drawn_BV = _draw(logits_BV, cfg, [], torch.Generator().manual_seed(0))
+    tok_B, drawn_BV = draw_tokens(logits_BV, cfg, [], torch.Generator().manual_seed(0))
     keep_BV = torch.isfinite(drawn_BV)
     assert keep_BV.gather(-1, tok_B[:, None]).all()
     p64 = torch.softmax(logits_BV.double(), -1)
@@ -80,7 +80,7 @@ def test_draw_records_the_nucleus_it_drew_from_even_under_ties():
 @pytest.fixture(scope="module")
 def tiny():
     cfg = compose_config(["warmstart.enabled=false", "objective=grpo", *TINY])
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     return ctx
 
 
@@ -108,7 +108,7 @@ def test_processed_logprobs_equal_the_trainers_renormalised_forward(tiny):
 
 def _two_steps(overrides: list[str]) -> tuple[list[dict], dict]:
     cfg = compose_config(["warmstart.enabled=false", "objective=grpo", "trainer.lr=3e-3", *TINY, *overrides])
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     metrics = [rl_step(ctx, step) for step in range(2)]
     return metrics, {k: v.clone() for k, v in ctx.model.state_dict().items()}
 
@@ -119,5 +119,5 @@ def test_keep_sampling_mask_at_top_p_one_changes_nothing_bitwise():
     default one (every metric and every parameter). (At top_p < 1 the grpo_keep_mask preset's 2-step run.)"""
     base_m, base_p = _two_steps([])
     mask_m, mask_p = _two_steps(["sampler.keep_sampling_mask=true", "sampler.logprobs=processed"])
-    assert all(_same(a, b) for a, b in zip(base_m, mask_m, strict=True))
+    assert all(same_rows(a, b) for a, b in zip(base_m, mask_m, strict=True))
     assert all(torch.equal(base_p[k], mask_p[k]) for k in base_p)

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from test_routing import _model, _tokens
-from test_train import _first_step, compose_config
+from test_routing import routing_model, routing_tokens
+from test_train import compose_config, first_step
 
 from moe_rl.routing import (
     LogitNoise,
@@ -17,12 +17,12 @@ from moe_rl.routing import (
     replay_gates,
     router_margins,
 )
-from moe_rl.trainer import step
+from moe_rl.trainer import batch as batch_module
 
 SKIP = ("time/", "throughput/")
 
 
-def _same(a: dict, b: dict) -> bool:
+def same_rows(a: dict, b: dict) -> bool:
     keys = [k for k in a if not k.startswith(SKIP)]
     return bool(keys) and set(a) == set(b) and all(
         a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in keys
@@ -66,9 +66,9 @@ def test_logit_noise_reroutes_near_ties_to_the_runner_up_with_live_gates(tokeniz
     """Under noise the top-k is that of logits + σε (a swapped-in expert is the one the noisy order puts
     in), the gates are replay_gates of the live logits at those ids, small σ flips only tokens whose margin it can close,
     scale 0 leaves the forward bitwise as it is, and router gradients flow."""
-    model = _model(tokenizer, "qwen3_moe", num_experts=8, top_k=2)
+    model = routing_model(tokenizer, "qwen3_moe", num_experts=8, top_k=2)
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, B=6, T=30)
+    x = routing_tokens(tokenizer, B=6, T=30)
     with torch.no_grad(), ctl.record(with_logits=True) as free:
         ref = model(x).logits
     eps = logit_noise(0, 0, torch.arange(6), torch.arange(30).expand(6, 30), ctl.num_layers, 8)
@@ -97,9 +97,9 @@ def test_logit_noise_reroutes_near_ties_to_the_runner_up_with_live_gates(tokeniz
 
 def test_noise_that_does_not_fit_the_forward_raises(tokenizer):
     """Noise shaped for another [B, T] raises at the first router instead of being dropped; replay wins."""
-    model = _model(tokenizer, "qwen3_moe")
+    model = routing_model(tokenizer, "qwen3_moe")
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, B=2, T=9)
+    x = routing_tokens(tokenizer, B=2, T=9)
     eps = torch.randn(2, 8, ctl.num_layers, ctl.num_experts)
     with pytest.raises(ValueError, match="does not fit"), torch.no_grad(), ctl.noise(LogitNoise(eps, 1.0)):
         model(x)
@@ -133,25 +133,25 @@ def test_replay_wins_over_logit_noise_bitwise(replay, scope):
     """R2 under scope update, and R3 under either scope, give bitwise-identical metrics with σ 0 and 0.5."""
     growth = "constant" if scope == "trainer" else "sqrt"
     common = [f"routing.replay={replay}", f"routing.noise_scope={scope}", f"routing.noise_growth={growth}"]
-    a, _ = _first_step([*common, "routing.logit_noise=0.0"])
-    b, _ = _first_step([*common, "routing.logit_noise=0.5"])
-    assert _same(a, b)
+    a, _ = first_step([*common, "routing.logit_noise=0.0"])
+    b, _ = first_step([*common, "routing.logit_noise=0.5"])
+    assert same_rows(a, b)
 
 
 def test_logit_noise_changes_routing_as_its_scope_says():
     """Without replay, scope update leaves the on-policy mini-batch exact and moves later ones' experts
     beyond the natural change (and the margins predict more change); scope trainer perturbs the old-policy
     forward against a clean sampler (sampler/old routing and log-probs differ); R2 does not undo that."""
-    clean, _ = _first_step(["routing.logit_noise=0.0"])
-    noisy, _ = _first_step(["routing.logit_noise=0.5"])
+    clean, _ = first_step(["routing.logit_noise=0.0"])
+    noisy, _ = first_step(["routing.logit_noise=0.5"])
     assert noisy["routing/expert_change/first_minibatch"] == 0.0 == clean["routing/expert_change/first_minibatch"]
     assert noisy["routing/expert_change/after_one_update"] > clean["routing/expert_change/after_one_update"] + 0.02
     assert noisy["routing/margin/predicted_change"] > clean["routing/margin/predicted_change"]
     assert noisy["rollout/reward/mean"] == clean["rollout/reward/mean"]  # the sampler is never perturbed
     trainer = ["routing.noise_scope=trainer", "routing.noise_growth=constant", "routing.logit_noise=0.5"]
     for replay in ("off", "old"):
-        mism, _ = _first_step([f"routing.replay={replay}", *trainer])
-        base, _ = _first_step([f"routing.replay={replay}"])
+        mism, _ = first_step([f"routing.replay={replay}", *trainer])
+        base, _ = first_step([f"routing.replay={replay}"])
         assert mism["routing/rollout_vs_old/frac"] > base["routing/rollout_vs_old/frac"] + 0.02, replay
         assert mism["mismatch/logp_abs_diff/mean"] > base["mismatch/logp_abs_diff/mean"], replay
         assert mism["routing/expert_change/first_minibatch"] == 0.0  # one ε for the old and update forwards
@@ -162,8 +162,8 @@ def test_router_margins_and_logit_shift_are_logged(monkeypatch):
     (p10 <= median) and in range; an update shifts the
     router logits, and the margins predict some change from that shift."""
     g = torch.Generator().manual_seed(0)  # the untrained policy scores 0 everywhere: random advantages move it
-    monkeypatch.setattr(step, "group_advantages", lambda r, *_, **__: torch.randn(r.shape, generator=g))
-    m, ctx = _first_step([])
+    monkeypatch.setattr(batch_module, "group_advantages", lambda r, *_, **__: torch.randn(r.shape, generator=g))
+    m, ctx = first_step([])
     assert 0 < m["routing/margin/p10"] <= m["routing/margin/median"]
     assert 0 <= m["routing/margin/frac_below_0.1"] <= 1
     assert all(f"routing/margin/layer_{i}" in m for i in range(ctx.controller.num_layers))
@@ -175,8 +175,8 @@ def test_weight_noise_moves_router_weights_only_and_the_sampler_sees_it():
     bf16 master weights too): router weights differ from the σ_w = 0 run by about σ_w·sqrt(updates), other
     weights do not differ at all, and the next step's rollout differs."""
     base = ["trainer.mini_batches=2", "trainer.lr=1e-9"]
-    _, a = _first_step(base)
-    _, b = _first_step([*base, "routing.weight_noise=0.05"])
+    _, a = first_step(base)
+    _, b = first_step([*base, "routing.weight_noise=0.05"])
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
         if name.endswith("mlp.gate.weight"):
             assert float((pa - pb).std()) == pytest.approx(0.05 * 2**0.5, rel=0.15), name

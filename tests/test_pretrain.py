@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_warmstart import FAST, TINY, _weights
+from test_warmstart import FAST, TINY, weights_of
 from transformers import AutoTokenizer
 
 import moe_rl.pretrain as pretrain_mod
@@ -99,7 +99,7 @@ def test_pretrained_warm_start_is_deterministic_and_differs_from_task_only(tmp_p
                        progress=False).path for d in "ab")
     plain = warm_start(TINY, "arithmetic", 1, replace(cfg, pretrain_steps=0, cache_dir=str(tmp_path / "c")),
                        seed=0, progress=False).path
-    wa, wb, wp = _weights(a), _weights(b), _weights(plain)
+    wa, wb, wp = weights_of(a), weights_of(b), weights_of(plain)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(not torch.equal(wa[k], wp[k]) for k in wa)
 

@@ -5,12 +5,15 @@ import math
 
 import pytest
 import torch
-from test_train import TINY, _comparable, _read_metrics, compose_config
+from test_train import TINY, comparable, compose_config, read_metrics
 
 from moe_rl.models import ModelConfig, build_model, build_tokenizer
 from moe_rl.rollout import sample
-from moe_rl.trainer.run import _context, train
-from moe_rl.trainer.step import Batch, _old_policy, _update, chat_prompt
+from moe_rl.trainer.batch import Batch
+from moe_rl.trainer.plan import RoutingPlan
+from moe_rl.trainer.run import build_context, train
+from moe_rl.trainer.samplers import chat_prompt
+from moe_rl.trainer.step import old_policy, update
 from moe_rl.warmstart import warm_start
 
 CONFIGS = {
@@ -61,7 +64,7 @@ def test_pretrained_configs_set_memory_settings():
 def test_chat_template_wraps_prompts_without_doubling_bos(saved):
     """The prompt is one user turn ending where the answer starts; the template's BOS is left to the tokenizer."""
     cfg = compose_config([*TINY, "model=olmoe_1b_7b", f"model.pretrained={saved['olmoe']}", *CPU])
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     assert ctx.prompt("1+2=") == "<user>:1+2=;<assistant>:"
     ids = ctx.tokenizer(ctx.prompt("1+2="))["input_ids"]
     assert ids.count(ctx.tokenizer.bos_token_id) == 1 and ctx.tokenizer.unk_token_id not in ids
@@ -71,7 +74,7 @@ def test_chat_template_wraps_prompts_without_doubling_bos(saved):
 def test_chat_template_needs_a_template_and_no_warm_start():
     """task.chat_template=true fails fast on a tokenizer without a template, and alongside a warm start."""
     with pytest.raises(ValueError, match="task.chat_template"):
-        _context(compose_config([*TINY, "task.chat_template=true", "warmstart.enabled=false", *CPU]))
+        build_context(compose_config([*TINY, "task.chat_template=true", "warmstart.enabled=false", *CPU]))
     with pytest.raises(ValueError, match="task.chat_template"):
         compose_config([*TINY, "task.chat_template=true"])
 
@@ -96,7 +99,7 @@ def test_pretrained_family_trains_through_its_config(tmp_path, saved, family):
     )
     summary = train(cfg, tmp_path)
     assert summary["steps_done"] == 1 and math.isfinite(summary["final"]["train/loss"])
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     assert ctx.model.config.model_type == family
     assert next(ctx.model.parameters()).dtype == torch.bfloat16
     roll = sample(
@@ -110,9 +113,11 @@ def test_pretrained_family_trains_through_its_config(tmp_path, saved, family):
     batch = Batch.from_rollout(
         roll, torch.randn(8, generator=torch.Generator().manual_seed(1)), torch.arange(8)
     )
-    old_logps, old_traces = _old_policy(ctx, batch, [slice(0, 8)])
+    batch.minibatches = [slice(0, 8)]
+    plan = RoutingPlan(cfg.routing, ctx.controller, batch, 0, cfg.seed)
+    old = old_policy(ctx, batch, plan)
     before = {k: v.clone() for k, v in ctx.model.state_dict().items()}
-    metrics, _ = _update(ctx, 0, batch, slice(0, 8), old_logps[0], old_traces[0])
+    metrics = update(ctx, batch, old, plan, 0).metrics
     assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in ctx.model.state_dict().items())
 
@@ -145,9 +150,9 @@ def test_replay_through_trainer_under_gradient_checkpointing(tmp_path, warm_over
             ]
         )
         summary = train(cfg, tmp_path / str(ckpt))
-        runs[ckpt] = (summary, _read_metrics(tmp_path / str(ckpt)))
+        runs[ckpt] = (summary, read_metrics(tmp_path / str(ckpt)))
     assert runs[True][0]["final"]["train/grad_norm"] > 0
-    assert _comparable(runs[True][1]) == _comparable(runs[False][1])
+    assert comparable(runs[True][1]) == comparable(runs[False][1])
 
 
 def test_sigmoid_gated_pretrained_model_is_refused_at_start_up(tmp_path):

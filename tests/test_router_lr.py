@@ -4,12 +4,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_train import TINY, _read_metrics, _step_parts, compose_config
+from test_train import TINY, compose_config, read_metrics, step_parts, update_once
 
 from moe_rl.trainer.checkpoint import read_checkpoint
 from moe_rl.trainer.precision import MasterAdamW, router_param_groups
-from moe_rl.trainer.run import _context, train
-from moe_rl.trainer.step import _update
+from moe_rl.trainer.run import build_context, train
 
 ONE_STEP = ["warmstart.enabled=false", "objective=grpo", "trainer.mini_batches=1", "trainer.lr=1e-3", *TINY]
 
@@ -28,7 +27,7 @@ def test_router_lr_scale_must_be_positive_and_finite(bad):
 def test_scale_one_is_the_single_group_optimizer_of_before_the_option():
     """At scale 1 the optimizer has one parameter group holding model.parameters() in order, as it was built
     before the option existed; at scale 3 the routers' parameters form a second group at 3x the lr."""
-    ctx, _ = _context(compose_config(ONE_STEP))
+    ctx, _ = build_context(compose_config(ONE_STEP))
     (group,) = ctx.optimizer.param_groups
     assert [id(p) for p in group["params"]] == [id(p) for p in ctx.model.parameters()]
     groups = router_param_groups(ctx.model, ctx.controller.routers, 1e-3, 3.0)
@@ -45,10 +44,10 @@ def test_run_with_scale_one_is_bitwise_the_run_without_the_option(tmp_path, warm
     train(base, tmp_path / "absent")
     train(replace(base, trainer=replace(base.trainer, router_lr_scale=1.0)), tmp_path / "one")
     strip = [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
-             for r in _read_metrics(tmp_path / "absent")]  # fmt: skip
+             for r in read_metrics(tmp_path / "absent")]  # fmt: skip
     assert all(r["train/grad_norm"] > 0 for r in strip)
     assert strip == [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
-                     for r in _read_metrics(tmp_path / "one")]  # fmt: skip
+                     for r in read_metrics(tmp_path / "one")]  # fmt: skip
     a = read_checkpoint(tmp_path / "absent" / "checkpoint.pt")
     b = read_checkpoint(tmp_path / "one" / "checkpoint.pt")
     assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -57,9 +56,9 @@ def test_run_with_scale_one_is_bitwise_the_run_without_the_option(tmp_path, warm
 
 def _one_update(scale: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
     # Random advantages on a fixed rollout: a random policy scores 0 everywhere, which moves nothing.
-    ctx, batch, slices, old_logps, old_traces = _step_parts("off", 1e-3, (f"trainer.router_lr_scale={scale}",))
+    ctx, batch, plan, old = step_parts("off", 1e-3, (f"trainer.router_lr_scale={scale}",))
     before = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
-    _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
+    update_once(ctx, batch, plan, old, 0)
     after = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
     ids = _router_ids(ctx)
     routers = {n for n, p in ctx.model.named_parameters() if id(p) in ids}

@@ -106,13 +106,12 @@ def test_router_shift_of_one_changes_nothing_bitwise():
 def test_first_minibatch_has_no_router_shift_and_the_second_does():
     """In the trainer (γ̃ read from the routing traces): the on-policy mini-batch has γ̃ exactly 1, the
     off-policy one below 1 after a large update."""
-    from test_train import _step_parts
+    from test_train import step_parts, update_once
 
-    from moe_rl.trainer.step import _update
 
-    ctx, batch, slices, old_logps, old_traces = _step_parts("off", extra=("objective.router_shift=true",
+    ctx, batch, plan, old = step_parts("off", extra=("objective.router_shift=true",
                                                                           "objective.router_shift_floor=0.01"))
-    m1, _ = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
+    m1, _ = update_once(ctx, batch, plan, old, 0)
     assert m1["router_shift/gamma/mean"] == 1.0 and m1["router_shift/floored_frac"] == 0.0
-    m2, _ = _update(ctx, 0, batch, slices[1], old_logps[1], old_traces[1], minibatch=1)
+    m2, _ = update_once(ctx, batch, plan, old, 1)
     assert m2["router_shift/gamma/min"] < 1.0 and m2["router_shift/gamma/mean"] < 1.0

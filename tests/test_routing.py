@@ -19,11 +19,11 @@ from moe_rl.routing import (
 )
 
 
-def _model(tokenizer, family, **kw):
+def routing_model(tokenizer, family, **kw):
     return build_model(ModelConfig(family=family, head_dim=None, **kw), tokenizer)
 
 
-def _tokens(tokenizer, B=3, T=12, seed=0):
+def routing_tokens(tokenizer, B=3, T=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(4, len(tokenizer), (B, T), generator=g)
 
@@ -35,7 +35,7 @@ def _perturb_routers(ctl, scale=0.5, seed=1):
             r.weight.add_(scale * torch.randn(r.weight.shape, generator=g, dtype=r.weight.dtype))
 
 
-def _reference_block(block, h_NH, ids_NK):
+def reference_block(block, h_NH, ids_NK):
     """Independent MoE block: each token goes to ids_NK with gates softmax(W_r h)[ids], renormalised if the
     family does, through each expert's SwiGLU; plus the sigmoid-gated shared expert for Qwen2-MoE."""
     probs_NE = torch.softmax(F.linear(h_NH, block.gate.weight).double(), -1)
@@ -58,9 +58,9 @@ def _reference_block(block, h_NH, ids_NK):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replay_own_routing_is_exact(tokenizer, family):
     """Replaying a model's own recorded routing reproduces its logits bitwise."""
-    model = _model(tokenizer, family)
+    model = routing_model(tokenizer, family)
     ctl = RoutingController(model)
-    x = _tokens(tokenizer)
+    x = routing_tokens(tokenizer)
     with torch.no_grad(), ctl.record() as rec:
         ref = model(x).logits
     with torch.no_grad(), ctl.replay(rec.trace):
@@ -72,9 +72,9 @@ def test_replay_own_routing_is_exact(tokenizer, family):
 def test_replay_after_perturbation_routes_to_recorded_experts(tokenizer, family):
     """With perturbed routers, a replayed block matches an independent block using the recorded experts;
     a free forward routes differently."""
-    model = _model(tokenizer, family)
+    model = routing_model(tokenizer, family)
     ctl = RoutingController(model)
-    x = _tokens(tokenizer)
+    x = routing_tokens(tokenizer)
     with torch.no_grad(), ctl.record() as rec:
         model(x)
     old = rec.trace
@@ -88,7 +88,7 @@ def test_replay_after_perturbation_routes_to_recorded_experts(tokenizer, family)
     h_NH = seen["h"].reshape(-1, seen["h"].shape[-1])
     ids_NK = old.expert_ids[:, :, 1].reshape(h_NH.shape[0], -1).long()
     torch.testing.assert_close(
-        seen["y"].reshape(h_NH.shape).double(), _reference_block(block, h_NH, ids_NK), rtol=1e-4, atol=1e-5
+        seen["y"].reshape(h_NH.shape).double(), reference_block(block, h_NH, ids_NK), rtol=1e-4, atol=1e-5
     )
     assert expert_change_fraction(free.trace, old, torch.ones(x.shape, dtype=torch.bool)) > 0.05
     with torch.no_grad(), ctl.record() as fresh:
@@ -99,7 +99,7 @@ def test_replay_after_perturbation_routes_to_recorded_experts(tokenizer, family)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replayed_router_gradient_matches_finite_differences(tokenizer, family):
     """Under replay the router weight gets finite, non-zero gradients equal to float64 finite differences."""
-    model = _model(tokenizer, family, num_layers=1, experts_impl="eager").double()  # grouped_mm has no float64
+    model = routing_model(tokenizer, family, num_layers=1, experts_impl="eager").double()  # grouped_mm has no float64
     block = model.model.layers[0].mlp
     ctl = RoutingController(block)
     g = torch.Generator().manual_seed(0)
@@ -132,9 +132,9 @@ def test_replayed_router_gradient_matches_finite_differences(tokenizer, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_plus_decode_trace_equals_full_forward(tokenizer, family):
     """Recording a prefill then cached one-token decode steps gives the full forward's trace (fp32)."""
-    model = _model(tokenizer, family)
+    model = routing_model(tokenizer, family)
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, T=10)
+    x = routing_tokens(tokenizer, T=10)
     with torch.no_grad(), ctl.record(with_logits=True) as full:
         model(x)
     cache = cache_argument(model)  # `cache` from transformers 5.20, `past_key_values` before
@@ -148,9 +148,9 @@ def test_prefill_plus_decode_trace_equals_full_forward(tokenizer, family):
 
 def test_replay_across_prefill_and_decode(tokenizer):
     """A trace replays across several forwards in order, consuming it along time."""
-    model = _model(tokenizer, "qwen3_moe")
+    model = routing_model(tokenizer, "qwen3_moe")
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, T=8)
+    x = routing_tokens(tokenizer, T=8)
     with torch.no_grad(), ctl.record() as rec:
         ref = model(x).logits
     cache = cache_argument(model)
@@ -162,9 +162,9 @@ def test_replay_across_prefill_and_decode(tokenizer):
 
 def test_mismatched_or_missing_traces_raise(tokenizer):
     """Replay raises naming batch, length, layers or k when the trace does not fit, and never falls back."""
-    model = _model(tokenizer, "qwen3_moe")
+    model = routing_model(tokenizer, "qwen3_moe")
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, B=3, T=6)
+    x = routing_tokens(tokenizer, B=3, T=6)
     with torch.no_grad(), ctl.record() as rec:
         model(x)
     t = rec.trace
@@ -189,9 +189,9 @@ def test_mismatched_or_missing_traces_raise(tokenizer):
 def test_misaligned_trace_raises_naming_rows(tokenizer):
     """A trace replayed on rows permuted differently from its inputs raises naming those rows; replayed on
     the same permutation of the inputs it replays."""
-    model = _model(tokenizer, "qwen3_moe")
+    model = routing_model(tokenizer, "qwen3_moe")
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, B=4, T=7)
+    x = routing_tokens(tokenizer, B=4, T=7)
     with torch.no_grad(), ctl.record() as rec:
         ref = model(x).logits
     perm = torch.tensor([2, 0, 1, 3])
@@ -236,17 +236,17 @@ def test_sigmoid_gated_router_is_refused(tokenizer):
         for block in model.model.layers:
             block.mlp.gate.weight.normal_(0, 1.0)  # logits far from 0, where sigmoid and softmax gates differ
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, B=2, T=5)
+    x = routing_tokens(tokenizer, B=2, T=5)
     with pytest.raises(UnsupportedRouterError, match="MiniMaxM2TopKRouter.*layer 0"):
         ctl.verify_gates(model, x)
     for family in FAMILIES:
-        good = _model(tokenizer, family)
+        good = routing_model(tokenizer, family)
         RoutingController(good).verify_gates(good, x)
 
 
 def test_replay_under_gradient_checkpointing(tokenizer):
     """Replay with gradient checkpointing gives the same loss and gradients as without, backward inside or after."""
-    x = _tokens(tokenizer, B=2, T=8)
+    x = routing_tokens(tokenizer, B=2, T=8)
     grads = []
     for ckpt in (False, True):
         model = build_model(ModelConfig(gradient_checkpointing=ckpt), tokenizer).train()
@@ -263,9 +263,9 @@ def test_replay_under_gradient_checkpointing(tokenizer):
 
 def test_output_router_logits_still_works(tokenizer):
     """Instrumented models still return router logits when asked, equal to the recorded ones."""
-    model = _model(tokenizer, "qwen3_moe")
+    model = routing_model(tokenizer, "qwen3_moe")
     ctl = RoutingController(model)
-    x = _tokens(tokenizer)
+    x = routing_tokens(tokenizer)
     with torch.no_grad(), ctl.record(with_logits=True) as rec:
         out = model(x, output_router_logits=True)
     assert len(out.router_logits) == ctl.num_layers
@@ -274,9 +274,9 @@ def test_output_router_logits_still_works(tokenizer):
 
 def test_trace_dtype_slicing_and_bytes(tokenizer):
     """Traces use uint8 ids up to 256 experts, slice by rows and time, and report their bytes."""
-    model = _model(tokenizer, "qwen3_moe", num_experts=16, top_k=4)
+    model = routing_model(tokenizer, "qwen3_moe", num_experts=16, top_k=4)
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, B=4, T=5)
+    x = routing_tokens(tokenizer, B=4, T=5)
     with torch.no_grad(), ctl.record() as rec:
         model(x)
     t = rec.trace
@@ -320,9 +320,9 @@ def test_expert_load_and_entropy():
 def test_drift_swaps_one_expert_in_a_fraction_of_slots(tokenizer):
     """Drift at p swaps exactly one of the K experts for a non-chosen one in about a fraction p of (token,
     layer) slots; layer 0's expert change is then exactly swapped/K; p = 0 leaves the forward bitwise as is."""
-    model = _model(tokenizer, "qwen3_moe", num_experts=8, top_k=2)
+    model = routing_model(tokenizer, "qwen3_moe", num_experts=8, top_k=2)
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, B=8, T=40)
+    x = routing_tokens(tokenizer, B=8, T=40)
     with torch.no_grad(), ctl.record() as free:
         ref = model(x).logits
     with torch.no_grad(), ctl.record() as rec, ctl.drift(0.3, torch.Generator().manual_seed(0)) as drift:
@@ -342,9 +342,9 @@ def test_drift_swaps_one_expert_in_a_fraction_of_slots(tokenizer):
 def test_drift_yields_to_replay_and_keeps_router_gradients(tokenizer):
     """Under an open replay, drift draws nothing and the forward equals the plain replay; drifted forwards
     give the router weights non-zero gradients through the live gates of the experts actually used."""
-    model = _model(tokenizer, "qwen3_moe")
+    model = routing_model(tokenizer, "qwen3_moe")
     ctl = RoutingController(model)
-    x = _tokens(tokenizer, B=2, T=9)
+    x = routing_tokens(tokenizer, B=2, T=9)
     with torch.no_grad(), ctl.record() as rec:
         model(x)
     with torch.no_grad(), ctl.replay(rec.trace):

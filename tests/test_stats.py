@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 from scipy import stats as sps
-from test_analysis import _config, _metrics, _write_run
+from test_analysis import run_config, run_metrics, write_run
 
 from analysis.cli import parse_args
 from analysis.figures import aggregate
@@ -136,13 +136,13 @@ def test_ema_by_hand():
 
 def _run(preset: str, seed: int, rewards: list[float], eval_acc: dict[int, float] = (), collapse=0.0) -> Run:
     """A Run whose reward follows `rewards`, with eval rows at the steps of `eval_acc`."""
-    rows = _metrics([0.1] * len(rewards), collapse)
+    rows = run_metrics([0.1] * len(rewards), collapse)
     for step, row in enumerate(rows):
         row["rollout/reward/mean"] = rewards[step]
         row["ratio/token/var"] = 0.01
         if step in dict(eval_acc):
             row["eval/accuracy"] = dict(eval_acc)[step]
-    return Run(config=_config(preset, seed, 1e-4), rows=rows, events=[], source=f"{preset}{seed}")
+    return Run(config=run_config(preset, seed, 1e-4), rows=rows, events=[], source=f"{preset}{seed}")
 
 
 def test_summary_table_gives_t_ci_and_last_eval_accuracy():
@@ -236,9 +236,9 @@ def test_curve_band_is_t_ci_of_per_seed_ema():
 def test_compare_table_cells_are_mean_plus_minus_ci(tmp_path):
     """moe-rl-compare's cells read 'mean ± CI half-width' over seeds (hand values), with an eval column only when runs logged eval/accuracy."""
     for seed, clip in enumerate([[0.1, 0.3], [0.2, 0.4], [0.3, 0.5]]):
-        rows = _metrics(clip)
+        rows = run_metrics(clip)
         rows[0]["eval/accuracy"] = 0.25 * seed
-        _write_run(tmp_path / f"s{seed}", _config("grpo", seed, 1e-4), rows)
+        write_run(tmp_path / f"s{seed}", run_config("grpo", seed, 1e-4), rows)
     table = comparison(tmp_path)["grpo (replay=off)"]
     assert table["clip frac"] == pytest.approx(0.3) and table["final eval acc"] == pytest.approx(0.25)
     assert table["ci95"]["clip frac"] == pytest.approx(T_2 * 0.1 / math.sqrt(3), rel=1e-12)
@@ -264,11 +264,11 @@ def test_analyze_cli_with_eval_runs_smooths_and_reports_pairs(tmp_path):
 
     for seed in range(2):
         for preset, acc in (("grpo", 0.3), ("gspo", 0.6)):
-            rows = _metrics([0.1, 0.2, 0.3, 0.4])
+            rows = run_metrics([0.1, 0.2, 0.3, 0.4])
             for step in (1, 3):
                 rows[step]["eval/accuracy"] = acc + 0.1 * seed + 0.01 * step
                 rows[step]["eval/accuracy_greedy"] = acc
-            _write_run(tmp_path / "sweep" / f"{preset}{seed}", _config(preset, seed, 1e-4), rows)
+            write_run(tmp_path / "sweep" / f"{preset}{seed}", run_config(preset, seed, 1e-4), rows)
     out = tmp_path / "out"
     analyze_main([str(tmp_path / "sweep"), "--out", str(out), "--smooth", "0.5", "--permutations", "50"])
     text = (out / "report.md").read_text()
@@ -407,10 +407,10 @@ def test_report_table_json_keeps_per_seed_values(tmp_path):
     root = tmp_path / "sweep"
     for s in range(3):
         for preset, final in (("grpo", 0.2), ("gspo", 0.6)):
-            rows = _metrics([0.1, 0.2, 0.3])
+            rows = run_metrics([0.1, 0.2, 0.3])
             rows[0]["eval/initial/expected_accuracy"] = 0.5
             rows[1]["eval/expected_accuracy"], rows[2]["eval/expected_accuracy"] = final + 0.01 * s, final
-            _write_run(root / f"{preset}{s}", _config(preset, s, 1e-4), rows)
+            write_run(root / f"{preset}{s}", run_config(preset, s, 1e-4), rows)
     text = write_report(load_local([root], progress=False), tmp_path / "out", "t", [str(root)]).read_text()
     saved = json.loads((tmp_path / "out" / "table.json").read_text())
     summary = saved["summary"]["grpo (replay=off)"]

@@ -15,9 +15,11 @@ from hydra import compose, initialize_config_dir
 from moe_rl.config import Config
 from moe_rl.rollout import sample
 from moe_rl.train import CONF_DIR, to_config
-from moe_rl.trainer import step
-from moe_rl.trainer.run import _context, train
-from moe_rl.trainer.step import Batch, _old_policy, _update, rl_step
+from moe_rl.trainer import batch as batch_module
+from moe_rl.trainer.batch import Batch
+from moe_rl.trainer.plan import RoutingPlan
+from moe_rl.trainer.run import build_context, train
+from moe_rl.trainer.step import old_policy, rl_step, update
 
 REQUIRED_KEYS = [
     "rollout/reward/mean", "rollout/reward/std", "rollout/accuracy", "rollout/response_len/mean",
@@ -158,30 +160,38 @@ def test_type_error_names_field(tmp_path, monkeypatch, capsys):
     assert exit_.value.code != 0 and "trainer.steps" in capsys.readouterr().err
 
 
-def _step_parts(replay: str, lr: float = 3e-2, extra: tuple[str, ...] = ()):
+def step_parts(replay: str, lr: float = 3e-2, extra: tuple[str, ...] = ()):
+    """A context, a 16-row batch of fixed rollouts with random advantages in two mini-batches, its routing
+    plan and its old policy: an RL step's phases, to call one at a time."""
     cfg = compose_config([f"routing.replay={replay}", "warmstart.enabled=false", f"trainer.lr={lr}",
                           "trainer.warmup_steps=0", "objective=grpo", *TINY, *extra])
     cfg.routing.replay = replay
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     roll = sample(ctx.model, ctx.tokenizer, ["1+2=", "3-1=", "4+4=", "9-5="] * 4, cfg.sampler,
                   generator=torch.Generator().manual_seed(0), controller=ctx.controller)
     adv_B = torch.randn(len(roll.texts), generator=torch.Generator().manual_seed(1))
     batch = Batch.from_rollout(roll, adv_B, torch.arange(len(roll.texts)))
-    slices = [slice(0, 8), slice(8, 16)]
-    old_logps, old_traces = _old_policy(ctx, batch, slices)
-    return ctx, batch, slices, old_logps, old_traces
+    batch.minibatches = [slice(0, 8), slice(8, 16)]
+    plan = RoutingPlan(cfg.routing, ctx.controller, batch, 0, cfg.seed)
+    return ctx, batch, plan, old_policy(ctx, batch, plan)
+
+
+def update_once(ctx, batch, plan, old, j: int = 0):
+    """Mini-batch j's update: its finished metrics (this process's) and its routing change."""
+    result = update(ctx, batch, old, plan, j)
+    return result.metrics, result.change
 
 
 @pytest.mark.parametrize("replay", ["old", "off", "rollout"])
 def test_first_minibatch_is_on_policy(replay):
     """Mini-batch 1 has token ratios exactly 1 and expert change exactly 0 (fp32); after one update, routing moves."""
-    ctx, batch, slices, old_logps, old_traces = _step_parts(replay)
-    m1, change1 = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
+    ctx, batch, plan, old = step_parts(replay)
+    m1, change1 = update_once(ctx, batch, plan, old, 0)
     assert m1["ratio/token/max"] == 1.0 and m1["ratio/token/min"] == 1.0 and m1["clip/token_frac"] == 0.0
-    assert not any(change1["layers"]) and change1["response"] == [0.0]
-    m2, change2 = _update(ctx, 0, batch, slices[1], old_logps[1], old_traces[1])
-    assert sum(change2["layers"]) > 0, "a large update should move some expert choices"
-    assert change2["response"][0] > 0
+    assert not any(change1.layers) and change1.response == 0.0
+    m2, change2 = update_once(ctx, batch, plan, old, 1)
+    assert sum(change2.layers) > 0, "a large update should move some expert choices"
+    assert change2.response > 0
     assert m2["ratio/token/max"] > 1.0
 
 
@@ -193,7 +203,7 @@ def test_r3_on_policy_ratios_are_exactly_one_with_bf16_sampler_and_mismatch_drop
         cfg = compose_config([f"routing.replay={replay}", "warmstart.enabled=false", "objective=grpo", *TINY,
                               "trainer.mini_batches=1", "trainer.sampler_dtype=bfloat16", "model.num_layers=4",
                               "sampler.max_new_tokens=12"])
-        ctx, _ = _context(cfg)
+        ctx, _ = build_context(cfg)
         seen[replay] = rl_step(ctx, 0)
         assert seen[replay]["ratio/token/max"] == 1.0 and seen[replay]["ratio/token/min"] == 1.0, replay
     # Measured at this size: 0.00144 under R3 against 0.00217 without (bf16 rounding stays; flips go).
@@ -204,12 +214,12 @@ def test_rollout_replay_without_sampler_trace_raises():
     """routing.replay=rollout with no sampler trace raises instead of silently routing freely."""
     from moe_rl.routing import RoutingReplayError
 
-    ctx, batch, slices, old_logps, old_traces = _step_parts("rollout")
+    ctx, batch, plan, old = step_parts("rollout")
     batch.sampler_trace = None
     with pytest.raises(RoutingReplayError, match="sampler's routing"):
-        _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
+        update_once(ctx, batch, plan, old, 0)
     with pytest.raises(RoutingReplayError, match="sampler's routing"):
-        _old_policy(ctx, batch, slices)
+        old_policy(ctx, batch, plan)
 
 
 def test_router_aux_loss_is_added_and_logged():
@@ -217,8 +227,8 @@ def test_router_aux_loss_is_added_and_logged():
     whose value is the family's load-balancing loss (>= 1 at top-k, 0 terms otherwise); c = 0 logs none."""
     out = {}
     for coef in (0.0, 0.05):
-        ctx, batch, slices, old_logps, old_traces = _step_parts("off", extra=(f"model.router_aux_loss_coef={coef}",))
-        out[coef], _ = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
+        ctx, batch, plan, old = step_parts("off", extra=(f"model.router_aux_loss_coef={coef}",))
+        out[coef], _ = update_once(ctx, batch, plan, old, 0)
     assert "train/aux_loss" not in out[0.0]
     aux = out[0.05]["train/aux_loss"]
     assert aux > 0.5  # the Switch loss is about top_k for balanced routing
@@ -231,9 +241,9 @@ def test_grad_clip_null_turns_clipping_off_and_the_clip_metrics_say_how_much_it_
     clips every update by clip / norm; the pre-clip norm is the same either way."""
     out = {}
     for clip in ("null", "1e-3"):
-        ctx, batch, slices, old_logps, old_traces = _step_parts("off", extra=(f"trainer.grad_clip={clip}",))
+        ctx, batch, plan, old = step_parts("off", extra=(f"trainer.grad_clip={clip}",))
         before = [p.detach().clone() for p in ctx.model.parameters()]
-        m, _ = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
+        m, _ = update_once(ctx, batch, plan, old, 0)
         moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(ctx.model.parameters(), before, strict=True))
         out[clip] = (m, moved)
     (off, moved_off), (tiny, moved_tiny) = out["null"], out["1e-3"]
@@ -245,9 +255,9 @@ def test_grad_clip_null_turns_clipping_off_and_the_clip_metrics_say_how_much_it_
     assert moved_off > moved_tiny > 0
 
 
-def _first_step(overrides: list[str]) -> tuple[dict, object]:
+def first_step(overrides: list[str]) -> tuple[dict, object]:
     cfg = compose_config(["warmstart.enabled=false", "objective=grpo", "trainer.lr=3e-3", *TINY, *overrides])
-    ctx, _ = _context(cfg)
+    ctx, _ = build_context(cfg)
     return rl_step(ctx, 0), ctx
 
 
@@ -258,20 +268,20 @@ def test_length_metrics_of_a_step_pool_the_off_policy_minibatches(monkeypatch):
     sampler.max_new_tokens."""
     # The untrained policy scores 0 everywhere (advantages 0, no update): random advantages move it.
     g = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(step, "group_advantages", lambda r, *_, **__: torch.randn(r.shape, generator=g))
-    one_bin, _ = _first_step(["sampler.max_new_tokens=4"])
+    monkeypatch.setattr(batch_module, "group_advantages", lambda r, *_, **__: torch.randn(r.shape, generator=g))
+    one_bin, _ = first_step(["sampler.max_new_tokens=4"])
     assert not any(k.startswith("length/") and not k.startswith("length/1-4/") for k in one_bin)
     assert one_bin["length/1-4/seqs"] == 8.0  # 4 prompts x 4 completions, half of them in mini-batch 2
     for key, objective_key in [("token_var", "ratio/token/var"), ("seq_var", "ratio/seq/var"),
                                ("within_seq_var", "ratio/token/within_seq_var")]:  # fmt: skip
         assert one_bin[f"length/1-4/{key}"] == pytest.approx(2 * one_bin[objective_key], rel=1e-9), key
     assert one_bin["length/1-4/token_var"] > 0
-    two_bins, _ = _first_step([])  # max_new_tokens 6: bins 1-4 and 5-8
+    two_bins, _ = first_step([])  # max_new_tokens 6: bins 1-4 and 5-8
     assert two_bins["length/1-4/seqs"] + two_bins["length/5-8/seqs"] == 8.0
     assert {k for k in two_bins if k.startswith("length/")} == {
         f"length/{b}/{m}" for b in ("1-4", "5-8") for m in ("token_var", "within_seq_var", "seq_var", "seqs", "tokens")
     }
-    on_policy_only, _ = _first_step(["trainer.mini_batches=1"])
+    on_policy_only, _ = first_step(["trainer.mini_batches=1"])
     assert on_policy_only["length/1-4/seqs"] == 0.0 and math.isnan(on_policy_only["length/5-8/token_var"])
 
 
@@ -280,8 +290,8 @@ def test_step_logs_extreme_weight_share_as_a_quotient_of_its_sums(monkeypatch):
     mini-batches, with objective.extreme_weight_band reaching the objective: a band that only ratio 1
     fits counts mini-batch 2's off-policy tokens as extreme but not the on-policy mini-batch 1's."""
     g = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(step, "group_advantages", lambda r, *_, **__: torch.randn(r.shape, generator=g))
-    m, _ = _first_step(["objective=grpo", "objective.extreme_weight_band=[0.999999,1.000001]"])
+    monkeypatch.setattr(batch_module, "group_advantages", lambda r, *_, **__: torch.randn(r.shape, generator=g))
+    m, _ = first_step(["objective=grpo", "objective.extreme_weight_band=[0.999999,1.000001]"])
     total, extreme = m["policy/grad_weight/sum"], m["policy/extreme_grad_weight/sum"]
     assert m["policy/extreme_weight_share"] == extreme / total
     assert 0 < extreme < total  # mini-batch 1 (ratios exactly 1) is in the band, mini-batch 2 mostly not
@@ -301,8 +311,8 @@ def test_task_mix_is_validated_at_start_up():
 @pytest.mark.parametrize("replay", ["old", "rollout"])
 def test_replay_wins_over_drift_bitwise(replay):
     """Under replay, the same seed with routing.drift 0 and 0.2 gives bitwise-identical losses and metrics."""
-    a, _ = _first_step([f"routing.replay={replay}", "routing.drift=0.0"])
-    b, _ = _first_step([f"routing.replay={replay}", "routing.drift=0.2"])
+    a, _ = first_step([f"routing.replay={replay}", "routing.drift=0.0"])
+    b, _ = first_step([f"routing.replay={replay}", "routing.drift=0.2"])
     assert b["routing/drift/applied_frac"] == 0.0
     skip = ("time/", "throughput/", "routing/drift/")
     keys = [k for k in a if not k.startswith(skip)]
@@ -312,31 +322,34 @@ def test_replay_wins_over_drift_bitwise(replay):
 def test_minibatch_overlap_is_measured_and_group_minibatches_remove_it():
     """By default every later mini-batch row has a sibling trained on earlier in the step (sibling_frac 1)
     and identical sequences are counted; with trainer.group_minibatches both are 0."""
-    mixed, ctx = _first_step(["trainer.group_size=4", "trainer.mini_batches=2"])
+    mixed, ctx = first_step(["trainer.group_size=4", "trainer.mini_batches=2"])
     assert mixed["minibatch/sibling_frac"] == 1.0
     assert 0.0 <= mixed["minibatch/duplicate_frac"] <= 1.0
-    whole, _ = _first_step(["trainer.group_size=4", "trainer.mini_batches=2", "trainer.group_minibatches=true"])
+    whole, _ = first_step(["trainer.group_size=4", "trainer.mini_batches=2", "trainer.group_minibatches=true"])
     assert whole["minibatch/sibling_frac"] == 0.0 and whole["minibatch/duplicate_frac"] == 0.0
     assert whole["rollout/reward/mean"] == mixed["rollout/reward/mean"]  # same samples, other split
 
 
 def test_minibatch_overlap_counts_identical_sequences():
-    """duplicate_frac counts later rows whose prompt and response equal a row of an earlier mini-batch."""
+    """duplicate_frac counts later rows whose prompt and response equal a row of an earlier mini-batch;
+    both fractions pool over ranks weighted by the rank's rows."""
+    from moe_rl import stats as S
     from moe_rl.trainer.step_metrics import minibatch_overlap
 
     ids = torch.tensor([[5, 6, 7, 0], [5, 6, 8, 0], [5, 6, 7, 0], [9, 9, 9, 9]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
     batch = Batch(ids, mask, None, None, None, None, None)
     m = minibatch_overlap(batch, torch.tensor([0, 0, 0, 1]), [slice(0, 2), slice(2, 4)])
-    assert m == {"minibatch/sibling_frac": 0.5, "minibatch/duplicate_frac": 0.5}
+    assert S.values(m) == {"minibatch/sibling_frac": 0.5, "minibatch/duplicate_frac": 0.5}
+    assert m["minibatch/sibling_frac"] == S.weighted(0.5, 4.0)
 
 
 def test_drift_shows_in_expert_change_and_never_touches_rollouts():
     """With replay off, drift p = 0.4 is measured (applied_frac near p), raises the expert change of the
     update forwards by about p / K, leaves the on-policy mini-batch alone (drift_from_minibatch=2), and
     consumes no draw of the sampling or shuffling generators."""
-    base, ctx0 = _first_step(["routing.drift=0.0"])
-    hot, ctx1 = _first_step(["routing.drift=0.4"])
+    base, ctx0 = first_step(["routing.drift=0.0"])
+    hot, ctx1 = first_step(["routing.drift=0.4"])
     assert "routing/drift/applied_frac" not in base
     assert abs(hot["routing/drift/applied_frac"] - 0.4) < 0.1
     K = ctx1.cfg.model.top_k
@@ -351,28 +364,28 @@ def test_drift_shows_in_expert_change_and_never_touches_rollouts():
 
 def test_drift_from_first_minibatch_breaks_on_policy_ratios():
     """routing.drift_from_minibatch=1 drifts the on-policy mini-batch too: its token ratios leave 1."""
-    ctx, batch, slices, old_logps, old_traces = _step_parts("off", extra=("routing.drift=0.5",))
-    m, _ = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0], minibatch=0)
+    ctx, batch, plan, old = step_parts("off", extra=("routing.drift=0.5",))
+    m, _ = update_once(ctx, batch, plan, old, 0)
     assert m["ratio/token/max"] == 1.0 and m["ratio/token/min"] == 1.0  # default: from mini-batch 2
-    ctx, batch, slices, old_logps, old_traces = _step_parts(
+    ctx, batch, plan, old = step_parts(
         "off", extra=("routing.drift=0.5", "routing.drift_from_minibatch=1"))
-    m, change = _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0], minibatch=0)
-    assert m["ratio/token/max"] > 1.0 and change["drift"][0] > 0
+    m, change = update_once(ctx, batch, plan, old, 0)
+    assert m["ratio/token/max"] > 1.0 and change.drift[0] > 0
 
 
 def test_replay_old_keeps_routing_but_not_free_choice():
     """Under replay=old a later mini-batch still measures the routers' free change while its forward uses old routing."""
-    ctx, batch, slices, old_logps, old_traces = _step_parts("old", lr=1e-1)
-    _update(ctx, 0, batch, slices[0], old_logps[0], old_traces[0])
-    with ctx.controller.record() as rec, ctx.controller.replay(old_traces[1]):
+    ctx, batch, plan, old = step_parts("old", lr=1e-1)
+    update_once(ctx, batch, plan, old, 0)
+    with ctx.controller.record() as rec, ctx.controller.replay(old.traces[1]):
         from moe_rl.rollout import response_logprobs
 
-        response_logprobs(ctx.model, batch.input_ids_BS[slices[1]], batch.attention_mask_BS[slices[1]],
+        response_logprobs(ctx.model, batch.input_ids_BS[batch.minibatches[1]], batch.attention_mask_BS[batch.minibatches[1]],
                           batch.response_mask_BR.shape[1])
-    assert not torch.equal(rec.trace.expert_ids, old_traces[1].expert_ids)
+    assert not torch.equal(rec.trace.expert_ids, old.traces[1].expert_ids)
 
 
-def _read_metrics(run_dir: Path) -> list[dict]:
+def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -390,7 +403,7 @@ def _run_console(tmp_path: Path, preset: str, extra: list[str], warm: list[str])
 
 
 def _check_run(run_dir: Path) -> None:
-    rows = _read_metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     for key in REQUIRED_KEYS:
         assert all(_finite(r[key]) for r in rows), key
@@ -433,13 +446,13 @@ def test_heldout_eval_is_logged_and_never_changes_training(tmp_path, warm_overri
                           "eval.every=2", "eval.size=16", "eval.at_start=true"])
     train(cfg, tmp_path / "on")
     train(replace(cfg, eval=replace(cfg.eval, size=0, expected_size=0)), tmp_path / "off")
-    on, off = _read_metrics(tmp_path / "on"), _read_metrics(tmp_path / "off")
+    on, off = read_metrics(tmp_path / "on"), read_metrics(tmp_path / "off")
     assert [("eval/accuracy" in r) for r in on] == [False, True, True]
     assert [("eval/initial/expected_accuracy" in r) for r in on] == [True, False, False]
     assert not any(k.startswith("eval/") for r in off for k in r)
     assert all(0 <= r[k] <= 1 for r in on[1:] for k in EVAL_KEYS)
-    assert _comparable(off) == _comparable(on)
-    ctx, _ = _context(cfg)
+    assert comparable(off) == comparable(on)
+    ctx, _ = build_context(cfg)
     examples = ctx.task.examples("eval", cfg.eval.prompts_needed, cfg.eval.seed)
     before = evaluate(ctx.model, ctx.tokenizer, ctx.task, [ctx.prompt(e.prompt) for e in examples], examples,
                       cfg.sampler, cfg.eval)
@@ -457,7 +470,7 @@ def test_build_seed_shares_one_warm_start_across_run_seeds(warm_overrides):
     assert ws1.cached and ws1.path == ws0.path
 
 
-def _comparable(rows: list[dict]) -> list[dict]:
+def comparable(rows: list[dict]) -> list[dict]:
     """Rows without timings and held-out eval (a run cut short also evaluates at its own last step)."""
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "eval/"))} for r in rows]
 
@@ -469,7 +482,7 @@ def cut_and_uncut(cfg: Config, steps: int, tmp_path: Path) -> tuple[list[dict], 
     train(full, tmp_path / "full")
     train(cfg, tmp_path / "cut")  # stopped at cfg.trainer.steps, as if killed
     train(replace(full, resume=True), tmp_path / "cut")
-    return _read_metrics(tmp_path / "cut"), _read_metrics(tmp_path / "full")
+    return read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "full")
 
 
 def test_resume_matches_uninterrupted_run(tmp_path, warm_overrides):
@@ -478,7 +491,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, warm_overrides):
     cfg = compose_config([*TINY, *warm_overrides, "objective=grpo_rr", "trainer.checkpoint_every=1",
                           "logger.wandb=false", "eval.at_start=true"])
     cut, uncut = cut_and_uncut(cfg, 4, tmp_path)
-    assert _comparable(cut) == _comparable(uncut)
+    assert comparable(cut) == comparable(uncut)
     initial = [{k: v for k, v in r.items() if k.startswith("eval/initial/")} for r in cut]
     assert initial[0] and not any(initial[1:]), "the pre-update eval is logged once, in step 0's row"
     assert initial[0] == {k: v for k, v in uncut[0].items() if k.startswith("eval/initial/")}
@@ -494,7 +507,7 @@ def test_unstable_config_logs_collapse_events(tmp_path, warm_overrides):
     assert summary["collapse_events"], "no collapse event at lr=10"
     events = [json.loads(line) for line in (tmp_path / "a" / "events.jsonl").read_text().splitlines()]
     assert {e["kind"] for e in events} == {e["kind"] for e in summary["collapse_events"]}
-    last = _read_metrics(tmp_path / "a")[-1]
+    last = read_metrics(tmp_path / "a")[-1]
     for cell in ("high/neg_adv", "low/pos_adv", "high/pos_adv", "low/neg_adv"):  # per-cell counts match events
         n = sum(e["kind"] == "ratio_blowup" and cell in e["detail"] for e in events)
         assert last[f"collapse/ratio_blowup/{cell.replace('/', '_')}"] == n, cell
@@ -522,7 +535,7 @@ def test_reuse_sampler_logp_skips_old_forward_and_matches_it():
     base = [*TINY, "warmstart.enabled=false", "logger.wandb=false", "objective=gspo", "trainer.lr=1e-3"]
     metrics, old_forwards = {}, {}
     for reuse in (False, True):
-        ctx, _ = _context(compose_config([*base, f"trainer.reuse_sampler_logp={reuse}"]))
+        ctx, _ = build_context(compose_config([*base, f"trainer.reuse_sampler_logp={reuse}"]))
         # An old-policy forward is a full (uncached) forward without gradients; sampling uses the cache.
         calls = []
         ctx.model.register_forward_pre_hook(

@@ -194,12 +194,12 @@ def test_runs_with_the_vllm_engine_and_r3_resume_to_the_same_metrics(tmp_path, w
     """GRPO + R3 sampling with vLLM: in fp32 the objective's log-prob mismatch is float rounding, the
     replayed routing agrees with the old policy's and the weight sync is timed; and a run stopped after 2
     steps and resumed to 3 (a new engine, synced to the checkpoint) logs what an uninterrupted one does."""
-    from test_train import TINY, _comparable, compose_config, cut_and_uncut
+    from test_train import TINY, comparable, compose_config, cut_and_uncut
 
     cfg = compose_config([*TINY, *warm_overrides, "sampler.engine=vllm", "objective=grpo_r3",
                           "trainer.checkpoint_every=1", "logger.mode=disabled"])
     cut, uncut = cut_and_uncut(cfg, 3, tmp_path)
-    assert len(uncut) == 3 and _comparable(cut) == _comparable(uncut)
+    assert len(uncut) == 3 and comparable(cut) == comparable(uncut)
     for m in uncut:
         assert m["mismatch/logp_abs_diff/mean"] < TOL
         assert m["routing/rollout_vs_old/frac"] == 0.0

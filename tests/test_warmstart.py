@@ -241,7 +241,7 @@ FAST = dict(target_low=0.0, target_high=1.0, max_steps=3, batch_size=4, eval_eve
 """A warm start of TINY that trains a few steps and always lands in its (whole) band."""
 
 
-def _weights(path: str) -> dict[str, torch.Tensor]:
+def weights_of(path: str) -> dict[str, torch.Tensor]:
     """The saved weights, copied out of the memory-mapped file (which a test may then overwrite)."""
     return {k: v.clone() for k, v in build_model(ModelConfig(pretrained=path)).state_dict().items()}
 
@@ -265,7 +265,7 @@ def test_same_key_builds_same_weights_whatever_the_thread_count(tmp_path, monkey
     finally:
         torch.set_num_threads(threads)
     assert seen == [ws_mod.BUILD_THREADS, ws_mod.BUILD_THREADS]
-    a, b = (_weights(p) for p in paths)
+    a, b = (weights_of(p) for p in paths)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -281,12 +281,12 @@ def test_corrupt_cache_entry_is_rebuilt_with_warning(tmp_path, victim):
     """Garbage in a cached file fails its checksum: the entry is rebuilt (same weights) with a warning naming it."""
     cfg = WarmStartConfig(**FAST, cache_dir=str(tmp_path))
     first = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
-    good = _weights(first.path)
+    good = weights_of(first.path)
     (Path(first.path) / victim).write_bytes(b"\x00garbage")
     with pytest.warns(RuntimeWarning, match=f"{first.path} is corrupt or incomplete: rebuilding"):
         again = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
     assert not again.cached and again.path == first.path
-    rebuilt = _weights(again.path)
+    rebuilt = weights_of(again.path)
     assert all(torch.equal(good[k], rebuilt[k]) for k in good)
 
 

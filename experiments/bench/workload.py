@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from moe_rl.config import Config
 from moe_rl.tasks import Example
 from moe_rl.tasks.arithmetic import ArithmeticTask
-from moe_rl.trainer.run import _context
+from moe_rl.trainer.run import build_context
 from moe_rl.trainer.step import StepContext
 
 
@@ -80,7 +80,7 @@ def config(w: Workload) -> Config:
 
 def context(w: Workload) -> StepContext:
     """A step context for `w`: the model built from seed 0, the addition task, fresh optimiser and RNGs."""
-    ctx, _ = _context(config(w))
+    ctx, _ = build_context(config(w))
     ctx.task = AdditionTask(1)
     return ctx
 

@@ -137,7 +137,7 @@ def cache_argument(model: PreTrainedModel) -> str:
     raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
 
 
-def _draw(
+def draw_tokens(
     logits_BV: torch.Tensor,
     cfg: SamplerConfig,
     banned: list[int],
@@ -221,7 +221,7 @@ def sample(
                 **{cache_kwarg: cache},
             )
             logits_BV = out.logits[:, -1]
-            tok_B, drawn_BV = _draw(logits_BV, cfg, banned, generator, rows, len(prompts))
+            tok_B, drawn_BV = draw_tokens(logits_BV, cfg, banned, generator, rows, len(prompts))
             tok_B = torch.where(alive_B, tok_B, torch.full_like(tok_B, pad))
             tokens_BR[:, t] = tok_B
             logp_BV = torch.log_softmax(logits_BV.float() / (cfg.temperature or 1.0), dim=-1)

@@ -9,11 +9,12 @@ metric is first reduced over ranks, so one process and W processes log the same 
   its rows (variances included), then finished; the step logs their mean over mini-batches (`*/sum`: the
   sum, so a quotient of two of them is exact over all ranks and mini-batches);
 - rollout statistics are computed from all ranks' rows;
-- of the rest (`reduce_metric` in distributed.py): `*/max` and `time/*`, the maximum over ranks; `*/min`,
-  the minimum (both skip a rank's NaN, a rank with no such entry); `throughput/*` and
-  `routing/replay_cache_bytes`, the sum; other means, weighted by each rank's valid positions
-  (`POSITION_MEANS`, and expert change, reduced per mini-batch) or rows; `routing/load_cv/mean`, the
-  weighted mean of the ranks' values, not the global statistic;
+- the step's own scalars carry their reduction too (moe_rl/trainer/reduce.py): `time/*`, the maximum
+  over ranks; `throughput/*` and `routing/replay_cache_bytes`, the sum; the means (load CV, router entropy,
+  mismatch, mini-batch overlap), weighted by each rank's rows, valid positions or response tokens, as the
+  metric averages over them (a rank with nothing to average counts for nothing); `routing/load_cv/mean`
+  is the weighted mean of the ranks' values, not the global statistic; expert change is pooled per
+  mini-batch, weighted by positions (tokens over the response); router margins are pooled as a sample;
 - `length/*`: every rank's sums (`objectives.common.length_sums`) are added, so these are the statistics
   of all ranks' sequences, exactly as one process computes them.
 
@@ -57,7 +58,7 @@ finite metrics of the last step.
 | `routing/expert_change/first_minibatch` | the same on mini-batch 1 (no update yet: 0 in fp32, a sanity check) |
 | `routing/rollout_vs_old/frac` | sampler routing vs old-policy routing, same measure (under R3 the old policy's free choice given the replayed layers above) |
 | `routing/rollout_vs_current/frac` | sampler routing vs the update forwards' routing (as in `expert_change/frac`), mean over all M mini-batches |
-| (logit and weight noise) | `routing.logit_noise` and `routing.weight_noise` log no key of their own: what they do is measured as expert change, margins and mismatch above (moe_rl.trainer.perturb) |
+| (logit and weight noise) | `routing.logit_noise` and `routing.weight_noise` log no key of their own: what they do is measured as expert change, margins and mismatch above (moe_rl.trainer.plan) |
 | `routing/drift/applied_frac` | measured fraction of (valid position, layer) slots whose routing `routing.drift` swapped, over the mini-batches that drift (0 under replay: replay wins); only when `routing.drift` > 0 |
 | `routing/margin/median`, `routing/margin/p10`, `routing/margin/frac_below_0.1` | the old policy's router margins z_(k) − z_(k+1) (k-th minus (k+1)-th largest router logit, `routing.router_margins`) over its response positions and every layer, pooled over all ranks' tokens (exact order statistics; median and p10 by linear interpolation, `routing.margin_summary`); absent when experts ≤ top-k |
 | `routing/margin/layer_{i}` | the median margin of layer i |

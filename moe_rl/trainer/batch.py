@@ -1,19 +1,22 @@
-"""`Batch`: a scored rollout in mini-batch order, the value `step` and `step_metrics` both read.
+"""`Batch`: a scored rollout in mini-batch order, the value an RL step's phases and metrics all read.
 
-Its own module, so that `trainer/step.py` (which builds it) and `trainer/step_metrics.py` (which reads it)
-import it from here and not from each other.
+Its own module, so that `trainer/step.py` (which builds it) and the modules that read it (`plan.py`,
+`reduce.py`, `step_metrics.py`) import it from here and not from each other.
 
-Shape legend: B rollout rows, S sequence (prompt P + response R), S1 = S - 1 positions a forward sees.
+Shape legend: B rollout rows, S sequence (prompt P + response R), S1 = S - 1 positions a forward sees,
+M mini-batches, C runs of M consecutive rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from moe_rl.objectives import group_advantages
 from moe_rl.rollout import Rollout, SamplingSupport
 from moe_rl.routing import RoutingTrace
+from moe_rl.trainer.distributed import Dist, minibatch_rows
 
 
 @dataclass
@@ -31,6 +34,38 @@ class Batch:
     """Each row's index in the step's global rollout batch (what routing.logit_noise is keyed by)."""
     support: SamplingSupport | None = None
     """Each response token's top-p support (sampler.keep_sampling_mask), else None."""
+    minibatches: list[slice] = field(default_factory=list)
+    """The mini-batches, contiguous slices of the rows (`build`); empty for a batch built by hand."""
+    perm_B: torch.Tensor | None = None
+    """This rank's rows in batch order, as indices into its own rows of the rollout (`build`)."""
+
+    @classmethod
+    def build(
+        cls,
+        roll: Rollout,
+        rewards_B: torch.Tensor,
+        *,
+        group_size: int,
+        mini_batches: int,
+        group_minibatches: bool,
+        normalize_std: bool,
+        shuffle_gen: torch.Generator,
+        dist: Dist,
+    ) -> Batch:
+        """This rank's rows of the step's rollout in mini-batch order, with their group advantages.
+
+        The mini-batches are drawn for the global batch identically on every rank (`minibatch_rows`:
+        whole groups with `group_minibatches`); this rank takes its runs of M rows of each."""
+        adv_B = group_advantages(rewards_B, group_size, normalize_std=normalize_std)
+        n = len(rewards_B)
+        rows_MC = minibatch_rows(n * dist.world, mini_batches, shuffle_gen, group_size if group_minibatches else 1)
+        c = rows_MC.shape[1] // dist.world
+        perm_B = (rows_MC[:, dist.rank * c : (dist.rank + 1) * c] - dist.rank * n).reshape(-1)
+        dev = roll.logp_BR.device
+        batch = cls.from_rollout(roll, adv_B.to(dev), perm_B.to(dev), dist.rank * n)
+        batch.minibatches = [slice(j * c, (j + 1) * c) for j in range(mini_batches)]
+        batch.perm_B = perm_B
+        return batch
 
     def support_of(self, sl: slice) -> SamplingSupport | None:
         """The sampling support of mini-batch `sl`, which its old-policy and update forwards renormalise over."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import inspect
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,48 +248,3 @@ def param_checksum(model: nn.Module) -> list[float]:
         total += float(local.sum())
         squares += float(local.square().sum())
     return [total, squares]
-
-
-TOKEN_MEANS = frozenset(
-    {
-        "clip/token_frac",
-        "clip/low_frac",
-        "clip/high_frac",
-        "ratio/token/mean",
-        "ratio/token/var",
-        "ratio/token/extreme_frac",
-        "policy/approx_kl",
-        "policy/logp_diff/abs_mean",
-        "mismatch/logp_abs_diff/mean",
-        "clip/dual_frac",
-        "rollout_is/mean",
-        "rollout_is/clipped_frac",
-        "rollout_is/masked_frac",
-    }
-)
-"""Metrics that are means over response tokens (the objectives' 1/N rows); reduced weighted by tokens."""
-POSITION_MEANS = frozenset({"routing/entropy/mean", "routing/rollout_vs_old/frac"})
-"""Metrics that are means over the valid positions a forward sees; reduced weighted by positions."""
-
-
-def reduce_metric(key: str, values: list[float], counts: list[dict[str, float]]) -> float:
-    """One metric over ranks: max for `*/max` and `time/*`, min for `*/min` (both skipping NaN, a rank with
-    no such entry), sum for `*/sum`, throughputs and byte counts; else the mean, weighted by each rank's
-    tokens (TOKEN_MEANS), positions (POSITION_MEANS) or rows, skipping NaN (a rank with nothing to
-    average). Means over tokens, positions or rows come out exactly as one process computes them;
-    variances and the load CV are the weighted mean of the ranks'."""
-    if key.endswith(("/max", "/min")) or key.startswith("time/"):
-        finite = [v for v in values if not math.isnan(v)]
-        return (min if key.endswith("/min") else max)(finite) if finite else math.nan
-    if key.startswith("throughput/") or key.endswith(("_bytes", "/sum")):
-        return sum(values)
-    unit = "tokens" if key in TOKEN_MEANS else "positions" if key in POSITION_MEANS else "rows"
-    pairs = [(c[unit], v) for c, v in zip(counts, values, strict=True) if not math.isnan(v)]
-    total = sum(w for w, _ in pairs)
-    return sum(w * v for w, v in pairs) / total if total else math.nan
-
-
-def reduce_metrics(per_rank: list[dict[str, float]], counts: list[dict[str, float]]) -> dict[str, float]:
-    """Each key of the ranks' metric dicts reduced with `reduce_metric`; `counts` are each rank's rows,
-    tokens and positions. Identical on every rank, so decisions taken from it agree everywhere."""
-    return {key: reduce_metric(key, [m[key] for m in per_rank], counts) for key in per_rank[0]}

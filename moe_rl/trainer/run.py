@@ -70,6 +70,7 @@ from moe_rl.trainer.logging import (
     to_json,
 )
 from moe_rl.trainer.precision import make_optimizer, router_param_groups
+from moe_rl.trainer.samplers import CopySampler, Draws, PolicySampler, Sampler, VllmSampler, chat_prompt
 from moe_rl.trainer.step import StepContext, rl_step
 from moe_rl.warmstart import warm_start
 
@@ -118,7 +119,9 @@ def _policy(cfg: Config, progress: bool, task: Task | None = None):
     return model, tokenizer, ws
 
 
-def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
+def build_context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
+    """Everything an RL step needs (the policy, its routers, the sampler, the optimiser, the RNGs), and
+    what the run reports of its warm start; under torchrun, this rank's share."""
     dist = dist or Dist()
     if cfg.sampler.engine == "vllm":  # before the warm start: a missing extra or launcher fails at once
         require_vllm()
@@ -140,19 +143,11 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
     if not sharded:  # FSDP2 moves each layer's shard to this rank's device as it shards it
         model.to(torch.device(t.device))
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.objective.beta > 0 else None
-    sampler, engine, controller = None, None, RoutingController(model)
-    if cfg.sampler.engine == "vllm":
-        engine = VllmEngine(
-            model,
-            tokenizer,
-            cfg.sampler,
-            dtype=t.sampler_dtype or cfg.model.dtype,
-            seed=cfg.seed,
-            max_rows=t.prompts_per_step * t.group_size,
-            routers=(controller.num_layers, controller.num_experts),
-        )
-    elif t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype:
-        sampler = copy.deepcopy(model).to(getattr(torch, t.sampler_dtype)).eval().requires_grad_(False)
+    controller = RoutingController(model)
+    sample_gen = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)
+    prompt = functools.partial(chat_prompt, tokenizer) if cfg.task.chat_template else (lambda text: text)
+    draws = Draws(cfg.seed, t.prompts_per_step, t.group_size, prompt)
+    sampler = _sampler(cfg, model, tokenizer, controller, draws, sample_gen, dist, sharded)
     train_model = wrap(model, t.parallel, dist, t.device)
     if sharded and ref is not None:
         shard(ref)
@@ -185,28 +180,46 @@ def _context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
         task,
         optimizer,
         scheduler,
-        torch.Generator(torch.device(t.device)).manual_seed(cfg.seed),
+        sample_gen,
         torch.Generator().manual_seed(cfg.seed + 1),
         CollapseDetector(cfg.collapse, ratio=SPECS[cfg.objective.name].ratio),
-        ref,
         sampler,
-        RoutingController(sampler) if sampler is not None else None,
-        dist,
-        train_model,
-        sharded,
-        engine,
+        ref_model=ref,
+        dist=dist,
+        train_model=train_model,
+        sharded=sharded,
     )
     # One forward on a task prompt checks every router's gate function now, before any compute: a family
     # whose gates the controller cannot rebuild fails here in one line (UnsupportedRouterError).
     probe = ctx.prompt(ctx.task.examples("train", 1, seed=0)[0].prompt)
     probe_ids = tokenizer(probe, return_tensors="pt").input_ids.to(t.device)
     ctx.controller.verify_gates(model, probe_ids)
-    if sampler is not None:
-        ctx.sampler_controller.verify_gates(sampler, probe_ids)
-    if engine is not None:  # the engine computes the trained model's function (fp32), or stops here
-        engine.verify(model, ctx.controller, [probe] * 2)
+    sampler.verify(model, ctx.controller, probe, probe_ids)
     info = {"warmstart_accuracy": ws.accuracy if ws else None, "warmstart_path": str(ws.path) if ws else None}
     return ctx, info
+
+
+def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws: Draws,
+             sample_gen: torch.Generator, dist: Dist, sharded: bool) -> Sampler:
+    """The run's sampler (moe_rl.trainer.samplers): vLLM, a copy at trainer.sampler_dtype, or the policy."""
+    t = cfg.trainer
+    if cfg.sampler.engine == "vllm":
+        engine = VllmEngine(
+            model,
+            tokenizer,
+            cfg.sampler,
+            dtype=t.sampler_dtype or cfg.model.dtype,
+            seed=cfg.seed,
+            max_rows=t.prompts_per_step * t.group_size,
+            routers=(controller.num_layers, controller.num_experts),
+        )
+        return VllmSampler(draws, engine)
+    hf = dict(config=cfg.sampler, generator=sample_gen, record_logits=t.reuse_sampler_logp,
+              all_done=dist.all_done if sharded else None)
+    if t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype:
+        copy_ = copy.deepcopy(model).to(getattr(torch, t.sampler_dtype)).eval().requires_grad_(False)
+        return CopySampler(draws, copy_, RoutingController(copy_), tokenizer, **hf)
+    return PolicySampler(draws, model, controller, tokenizer, **hf)
 
 
 def _first_of(events: list[CollapseEvent], step: int, kinds: set[str]) -> dict | None:
@@ -235,7 +248,7 @@ def _restore(ctx: StepContext, state: dict) -> int:
     ctx.scheduler.load_state_dict(state["scheduler"])
     ctx.detector.load_state_dict(state["detector"])
     set_rng_state(state["rng"], {"sample": ctx.sample_gen, "shuffle": ctx.shuffle_gen})
-    ctx.sync_sampler()
+    ctx.sampler.sync(ctx.model)
     return state["step"]
 
 
@@ -341,7 +354,7 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     origin = provenance(cfg.trainer.device)  # after the thread count is set: it is part of the record
-    ctx, info = _context(cfg, dist)
+    ctx, info = build_context(cfg, dist)
     start = _restore(ctx, state) if state else 0
     local = LocalLog(run_dir, resume_step=start if state else None) if dist.main else _NullLog()
     config_dict = dataclasses.asdict(cfg)

@@ -4,25 +4,21 @@ metric table is in moe_rl/trainer/__init__.py). Shape legend as in moe_rl/traine
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
+from moe_rl import stats as S
 from moe_rl.objectives.common import extreme_weight_share
 from moe_rl.routing import (
     RoutingTrace,
     expert_change_fraction,
     expert_load,
     margin_summary,
-    noise_scale,
     predicted_change,
     router_entropy,
     router_margins,
 )
 from moe_rl.trainer.batch import Batch
-
-if TYPE_CHECKING:
-    from moe_rl.config import RoutingConfig
 
 
 def finite_mean(values: list[float]) -> float:
@@ -76,11 +72,12 @@ def rollout_metrics(rows: list[list[float]], group_size: int, reward_can_fail: b
     return out
 
 
-def minibatch_overlap(batch: Batch, group_B: torch.Tensor, slices: list[slice]) -> dict[str, float]:
+def minibatch_overlap(batch: Batch, group_B: torch.Tensor, slices: list[slice]) -> S.Stats:
     """How much of mini-batches 2..M was already seen, in part, by an earlier update of the same step:
     `minibatch/sibling_frac`, rows whose group (prompt) had a row in an earlier mini-batch;
     `minibatch/duplicate_frac`, rows whose whole sequence (prompt and response) equals a row of an
-    earlier mini-batch. NaN with one mini-batch. `group_B` is each row's group index."""
+    earlier mini-batch. NaN with one mini-batch. `group_B` is each row's group index. Pooled over ranks
+    weighted by their rows."""
     seen_groups: set[int] = set()
     seen_seqs: set[tuple[int, ...]] = set()
     sibling = duplicate = later = 0
@@ -94,27 +91,34 @@ def minibatch_overlap(batch: Batch, group_B: torch.Tensor, slices: list[slice]) 
             duplicate += sum(q in seen_seqs for q in seqs)
         seen_groups.update(groups)
         seen_seqs.update(seqs)
+    rows = float(len(group_B))
     return {
-        "minibatch/sibling_frac": sibling / later if later else math.nan,
-        "minibatch/duplicate_frac": duplicate / later if later else math.nan,
+        "minibatch/sibling_frac": S.weighted(sibling / later if later else math.nan, rows),
+        "minibatch/duplicate_frac": S.weighted(duplicate / later if later else math.nan, rows),
     }
 
 
 def routing_metrics(
-    batch: Batch, old_trace: RoutingTrace, old_logp_BR: torch.Tensor, replay: str
-) -> dict[str, float]:
+    batch: Batch, old_trace: RoutingTrace, old_logp_BR: torch.Tensor, cache_bytes: float
+) -> S.Stats:
+    """The old policy's routing statistics and the sampler mismatch of this rank's rows, each pooled over
+    ranks weighted by what it averages over (rows, valid positions or response tokens); `cache_bytes`, the
+    expert ids a replay holds for the step (RoutingPlan.replay_cache_bytes), adds up."""
     valid = batch.valid_BS1
+    rows, tokens, positions = float(valid.shape[0]), float(batch.response_mask_BR.sum()), float(valid.sum())
     out = {
-        "routing/load_cv/mean": float(expert_load(old_trace, valid)["cv"].mean()),
-        "routing/entropy/mean": float(router_entropy(old_trace, valid).mean()),
-        # Bytes of expert ids a replay must hold for the step (logits are recorded for metrics only).
-        "routing/replay_cache_bytes": float(0 if replay == "off" else old_trace.expert_ids_BTLK.nbytes),
-        "mismatch/logp_abs_diff/mean": float(
-            (batch.sampler_logp_BR - old_logp_BR)[batch.response_mask_BR].abs().mean()
+        # The weighted mean of the ranks' per-layer CVs, not the global statistic.
+        "routing/load_cv/mean": S.weighted(float(expert_load(old_trace, valid)["cv"].mean()), rows),
+        "routing/entropy/mean": S.weighted(float(router_entropy(old_trace, valid).mean()), positions),
+        "routing/replay_cache_bytes": S.Stat("sum", (cache_bytes,)),
+        "mismatch/logp_abs_diff/mean": S.weighted(
+            float((batch.sampler_logp_BR - old_logp_BR)[batch.response_mask_BR].abs().mean()), tokens
         ),
     }
     if batch.sampler_trace is not None:
-        out["routing/rollout_vs_old/frac"] = expert_change_fraction(batch.sampler_trace, old_trace, valid)
+        out["routing/rollout_vs_old/frac"] = S.weighted(
+            expert_change_fraction(batch.sampler_trace, old_trace, valid), positions
+        )
     return out
 
 
@@ -141,11 +145,12 @@ def response_margins(old_trace: RoutingTrace, response_BS1: torch.Tensor, top_k:
 
 
 def margin_metrics(
-    margins: list[list[float]], shift: list[list[float]], routing: RoutingConfig, top_k: int
+    margins: list[list[float]], shift: list[tuple[float, float]], sigma: float, top_k: int
 ) -> dict[str, float]:
     """`routing/margin/*` over every rank's margins `[N][L]` (pooled, so the order statistics are exact),
     `routing/logit_shift/after_one_update` from each rank's [Σ centred shift², elements] on mini-batch 2,
-    and the expert change those predict after one update (metric table in __init__.py)."""
+    and the expert change those predict after one update with injected logit noise σ on top
+    (RoutingPlan.noise_sigma(1); metric table in __init__.py)."""
     m_NL = torch.tensor(margins, dtype=torch.float64).reshape(-1, len(margins[0]) if margins else 1)
     out: dict[str, float] = {}
     if m_NL.numel():
@@ -157,9 +162,6 @@ def margin_metrics(
     if shift:
         count = sum(n for _, n in shift)
         delta = math.sqrt(sum(q for q, _ in shift) / count) if count else math.nan
-        # Under scope trainer the old and the update forward share one ε: only the update re-routes.
-        noisy = routing.noise_scope == "update" and routing.replay == "off"
-        sigma = noise_scale(routing.logit_noise, routing.noise_growth, 1) if noisy else 0.0
         out["routing/logit_shift/after_one_update"] = delta
         out["routing/margin/predicted_change"] = (
             predicted_change(m_NL.flatten(), math.sqrt(sigma**2 + delta**2), top_k)
