@@ -6,7 +6,7 @@ its fields (`provenance_mismatch`). Same-seed runs are bitwise reproducible only
 `git_dirty` agrees (and the tree is clean, or dirty in the same way): the same locked libraries
 (constraints.txt), the same CPU vector extensions (`cpu_capability`: torch picks its kernels by it,
 and float sums round differently between them), the same thread count (a reduction split over more
-threads adds in another order) and the same device. README, "Reproducibility".
+threads adds in another order) and the same device. docs/training.md, "Reproducibility".
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_math_verifier():
 
 
 def test_math_verifier_missing_package_is_a_start_up_error(tmp_path, monkeypatch):
-    """Without math-verify, task.verifier=math stops at build time naming the field and the README's install command for the extra."""
+    """Without math-verify, task.verifier=math stops at build time naming the field and the install command docs/training.md gives for the extra."""
     monkeypatch.setitem(sys.modules, "math_verify", None)  # what an absent package looks like to import
     with pytest.raises(ValueError, match=r"task\.verifier=math .*pip install -e \"\.\[math\]\" in the repository"):
         DatasetTask(dataset_cfg(write_rows(tmp_path, "jsonl"), verifier="math"))
@@ -254,7 +254,7 @@ def test_load_task_checks_held_out_size_and_warm_start():
 
 
 def test_small_dataset_is_evaluated_on_all_its_held_out_rows_with_a_note(tmp_path):
-    """A 200-row file (20 held out) with eval's defaults (64 sampled, 512 teacher-forced) runs as the README's "your file" command does: one note that eval uses all 20 rows, then eval metrics over those 20."""
+    """A 200-row file (20 held out) with eval's defaults (64 sampled, 512 teacher-forced) runs as docs/training.md's "your file" command does: one note that eval uses all 20 rows, then eval metrics over those 20."""
     from test_train import TINY
 
     from moe_rl.trainer.run import train

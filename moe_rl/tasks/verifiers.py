@@ -35,7 +35,7 @@ VERIFIERS = ("exact", "last_number", "math")
 REWARD_FN_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 """The form of `task.reward_fn`: a dotted module path, a colon, a dotted attribute path."""
 
-MATH_EXTRA = 'pip install -e ".[math]" in the repository, as the README installs it (or pip install math-verify)'
+MATH_EXTRA = 'pip install -e ".[math]" in the repository, as docs/training.md installs it (or pip install math-verify)'
 
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
