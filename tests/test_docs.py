@@ -113,6 +113,24 @@ def test_readme_is_short():
     assert len(README.read_text().splitlines()) <= README_MAX_LINES
 
 
+def repeated_headings(text: str) -> list[str]:
+    """Section headings (## and below) that appear twice on one page: a move that left a section behind."""
+    seen, out = set(), []
+    for _, line in prose_lines(text):
+        m = HEADING.match(line)
+        if m and len(m.group(1)) == 2:
+            out += [m.group(2)] if m.group(2) in seen else []
+            seen.add(m.group(2))
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_section_heading_repeats(page):
+    """No ## heading appears twice on a page (and the check finds one on a synthetic page)."""
+    assert repeated_headings("## A\n## B\n```\n## A\n```\n## A\n") == ["A"]
+    assert repeated_headings(page.read_text()) == []
+
+
 def test_readme_links_every_docs_page():
     """README.md links each docs page a reader goes to next (training, objectives, replay, analysis, ...)."""
     linked = {t.partition("#")[0] for _, line in prose_lines(README.read_text()) for t in LINK.findall(line)}
