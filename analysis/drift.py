@@ -18,7 +18,7 @@ per objective arm (base label) and dose. Per run:
 Cells are mean ± 95% t-CI over seeds; the collapse rate carries its 95% Wilson interval.
 
 Replay arms (routing.replay ≠ off) ignore the dose: replay wins, and the same seed gives bitwise-identical
-runs at every dose (tests/test_train.py for drift, tests/test_noise.py for logit noise). Their runs at one dose therefore stand for every dose; the table
+runs at every dose (tests/integration/test_train_loop.py for drift, tests/unit/routing/test_router_noise.py for logit noise). Their runs at one dose therefore stand for every dose; the table
 compares each perturbed arm at each dose with the replay arm of the same setting (the reference: the
 same values of every other field the sweep varies, such as trainer.grad_clip): the eval-accuracy
 difference, paired by seed when both cells ran the same seeds (a seed's warm start and eval set are

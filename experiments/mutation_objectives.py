@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_objectives.py", "tests/test_objectives_extra.py", "tests/test_objectives_stabilisers.py",
-         "tests/test_metric_stats.py", "tests/test_router_shift.py", "tests/test_keep_sampling_mask.py"]
+TESTS = ["tests/unit/objectives/test_grpo_gspo_references.py", "tests/unit/objectives/test_cispo_gmpo_rollout_is_kl.py",
+         "tests/unit/objectives/test_stabilisers_masking_kl_ess.py", "tests/unit/trainer/test_exact_metric_reduction.py",
+         "tests/unit/objectives/test_rspo_router_shift.py", "tests/unit/rollout/test_keep_sampling_mask.py"]
 OBJ = "moe_rl/objectives/"
 
 # (name, file, original text, mutated text); the original must occur exactly once.

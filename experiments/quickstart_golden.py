@@ -5,7 +5,7 @@
 
 The file holds the comparison table of that sweep (moe_rl.trainer.compare.comparison: one seed, so each
 cell is that run's value), the warm start it started from, and the provenance the runs recorded, which
-decides where the numbers hold: tests/test_quickstart_golden.py (slow) reruns the command and asks for
+decides where the numbers hold: tests/integration/test_quickstart_golden.py (slow) reruns the command and asks for
 the same table to 1e-9 when torch, transformers, the CPU vector extensions and the thread count are the
 golden's (a same-provenance run is bitwise reproducible: docs/training.md, "Reproducibility"), and skips, saying
 why, on any other machine, where one run's numbers are not expected to hold.

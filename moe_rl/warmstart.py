@@ -76,7 +76,7 @@ BUILD_THREADS = 2
 """torch CPU threads of every build, whatever the caller's: reductions split by thread count round
 differently, so one key built on 1 and on 2 threads gave different weights (max |dw| 0.108 in a probe).
 Any fixed count makes builds reproducible; 2 is the count the test suite runs with (tests/conftest.py),
-whose 1-vs-2-process comparison (tests/test_distributed.py, atol 1e-4) holds from these weights and
+whose 1-vs-2-process comparison (tests/integration/test_torchrun_data_parallel.py, atol 1e-4) holds from these weights and
 missed by 1e-5 on 2 of 1024 elements from a 1-thread build."""
 
 LR_BACKOFF = 0.5

@@ -20,22 +20,22 @@ def pytest_addoption(parser):
         "--reliability-report",
         default=None,
         metavar="PATH",
-        help="write the fault-injection table (tests/test_faults.py) of this run to PATH (docs/reliability.md)",
+        help="write the fault-injection table (tests/integration/test_fault_injection.py) of this run to PATH (docs/reliability.md)",
     )
 
 
 REPORT_HEADER = """# Reliability: what each fault does
 
-Produced by the fault-injection suite's own run (`tests/test_faults.py`, slow-marked; CI runs it):
+Produced by the fault-injection suite's own run (`tests/integration/test_fault_injection.py`, slow-marked; CI runs it):
 
-    pytest -m slow tests/test_faults.py --reliability-report docs/reliability.md
+    pytest -m slow tests/integration/test_fault_injection.py --reliability-report docs/reliability.md
 
 Each row is one case as it ran: the fault injected, what the user saw (warnings and errors, with the
 test's folder shown as RUN), and what survived. The fast contracts behind them (checkpoint format,
-strict JSON, start-up checks, the warm-start cache) are in tests/test_reliability.py and
-tests/test_warmstart.py.
+strict JSON, start-up checks, the warm-start cache) are in tests/unit/trainer/test_reliability_contracts.py and
+tests/unit/warmstart/test_warm_start_build_and_cache.py.
 
-| fault | what the user sees | what survives | test (tests/test_faults.py) |
+| fault | what the user sees | what survives | test (tests/integration/test_fault_injection.py) |
 |---|---|---|---|
 """
 KEEP_MARKER = "<!-- The rows above are written by the fault suite; the text below is kept as it is. -->"
@@ -76,9 +76,8 @@ WARM = ["warmstart.target_low=0.1", "warmstart.target_high=0.9", "warmstart.eval
 @pytest.fixture(scope="session")
 def warm_overrides(tmp_path_factory):
     """Hydra overrides under which the tiny test runs start from a warm start built once per session."""
-    from test_train import TINY, compose_config
-
     from moe_rl.warmstart import warm_start
+    from tests.integration.test_train_loop import TINY, compose_config
 
     overrides = [*WARM, f"warmstart.cache_dir={tmp_path_factory.mktemp('warmstart')}"]
     cfg = compose_config([*TINY, *overrides])

@@ -88,7 +88,7 @@ def _kv_cache_gib(config, rows: int, dtype: str) -> int:
 
 def unsupported(config) -> str | None:
     """Why vLLM's implementation of this model computes another function than transformers', or None.
-    Found by comparing the two in fp32 (tests/test_vllm_engine.py); `VllmEngine.verify` catches others."""
+    Found by comparing the two in fp32 (tests/unit/rollout/test_vllm_engine.py); `VllmEngine.verify` catches others."""
     if config.model_type == "olmoe" and getattr(config, "norm_topk_prob", False):
         return (
             "vLLM's OLMoE never renormalises the top-k gates, which transformers' does under "

@@ -26,7 +26,7 @@ when (a) the sampler does not truncate (`sampler.top_p=1`; with top_p < 1 the sa
 renormalised nucleus, so the two differ) and (b) y* is the only response the verifier accepts. For
 arithmetic, sort and sort_long it is the only one up to the verifiers' tolerance of padding (surrounding
 or repeated spaces, arithmetic's leading zeros), forms a policy warm-started on canonical demonstrations
-all but never writes (tests/test_evaluate.py checks the equality by Monte Carlo). With a subword tokenizer
+all but never writes (tests/unit/trainer/test_heldout_evaluation.py checks the equality by Monte Carlo). With a subword tokenizer
 y* is one tokenisation of the answer text; others decode to the same text. For countdown many
 expressions reach the target, so it is a lower bound on the expected accuracy: the probability of
 writing the generator's own expression.

@@ -1,0 +1,3 @@
+"""A reward module that fails while it is imported (tests/unit/tasks/test_dataset_task.py)."""
+
+raise ImportError("this module needs a package that is not installed")

@@ -1,0 +1,99 @@
+"""The code's shape, checked over the source with `ast`: no private name is imported across modules, and
+one module alone decides which routing a forward uses (moe_rl/trainer/plan.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+PACKAGES = ("moe_rl", "analysis", "experiments", "tests")
+ROUTING_FIELDS = {"replay", "noise_scope"}
+"""RoutingConfig fields whose value decides which routing a forward uses."""
+PLAN = "moe_rl/trainer/plan.py"
+
+
+def _sources(*packages: str) -> list[Path]:
+    return sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _project_modules() -> set[str]:
+    """Names a project module is imported by: dotted package paths (tests/ is a package too, so tests import
+    each other and tests/helpers/ as `tests.unit.routing.test_router_noise`)."""
+    names = set()
+    for p in _sources(*PACKAGES):
+        rel = p.relative_to(ROOT).with_suffix("")
+        names.add(".".join(rel.parts).removesuffix(".__init__"))
+    return names
+
+
+def private_imports(sources: list[Path], modules: set[str], root: Path = ROOT) -> list[str]:
+    """`file: from module import _name` for every private name imported from another project module."""
+    found = []
+    for p in sources:
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{p.relative_to(root)}: from {node.module} import {alias.name}")
+    return found
+
+
+def routing_branches(sources: list[Path], root: Path = ROOT) -> dict[str, list[int]]:
+    """Lines, per file, where the value of `routing.replay` or `routing.noise_scope` is compared or used as
+    a key (a branch on it), outside the config schema's `validate` methods (which refuse bad combinations
+    and decide nothing about a forward). Calls such as `controller.replay(trace)` are not reads of it."""
+    out: dict[str, list[int]] = {}
+    for p in sources:
+        tree = ast.parse(p.read_text(), str(p))
+        skip: set[int] = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and "validate" in fn.name:
+                skip.update(id(n) for n in ast.walk(fn))
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            parts = (
+                [node.left, *node.comparators] if isinstance(node, ast.Compare)
+                else [node.slice] if isinstance(node, ast.Subscript) else []
+            )
+            for part in parts:
+                if isinstance(part, ast.Attribute) and part.attr in ROUTING_FIELDS:
+                    out.setdefault(str(p.relative_to(root)), []).append(node.lineno)
+    return out
+
+
+def test_no_private_name_is_imported_across_modules():
+    """No module of moe_rl/, analysis/, experiments/ or tests/ imports another project module's `_name`."""
+    found = private_imports(_sources(*PACKAGES), _project_modules())
+    assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_the_scan_finds_a_private_import(tmp_path):
+    """The scan reports a `from moe_rl.x import _y` it is shown (so the test above can fail)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from moe_rl.trainer.run import _hidden, train\nfrom os import _exit\n")
+    assert private_imports([bad], {"moe_rl.trainer.run"}, tmp_path) == ["bad.py: from moe_rl.trainer.run import _hidden"]
+
+
+def test_one_module_branches_on_the_replay_source_and_the_noise_scope():
+    """Only moe_rl/trainer/plan.py (RoutingPlan) compares or dispatches on routing.replay or
+    routing.noise_scope; every other module asks the plan."""
+    branches = routing_branches(_sources("moe_rl"))
+    assert set(branches) == {PLAN}, {k: v for k, v in branches.items() if k != PLAN}
+
+
+def test_the_scan_finds_a_branch_on_the_replay_source(tmp_path):
+    """A comparison or a dict dispatch on `.replay` is a branch; a call `controller.replay(t)` and a
+    check inside a `validate` method are not."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "def f(cfg, ctl, t):\n"
+        "    ctl.replay(t)\n"
+        "    if cfg.routing.replay == 'old':\n"
+        "        pass\n"
+        "    return {'off': 0}[cfg.routing.noise_scope]\n"
+        "def validate(self):\n"
+        "    assert self.replay in ('off', 'old')\n"
+    )
+    assert routing_branches([src], tmp_path) == {"m.py": [3, 5]}
