@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.tasks import TASKS, BroadTask
-from moe_rl.warmstart import WarmStartConfig, demonstration_batch, demonstration_loss
+from moe_rl.warmstart.config import WarmStartConfig
+from moe_rl.warmstart.demos import demonstration_batch, demonstration_loss
 
 
 def pretrain_stream(seed: int) -> random.Random:
