@@ -20,17 +20,19 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moe_rl.config import Config, TrainerConfig
 from moe_rl.models.tokenizer import policy_tokenizer
-from moe_rl.rollout.vllm_engine import require_vllm
 from moe_rl.tasks import DATASET, DatasetTask, Task, build_task, make_task
 from moe_rl.tasks.dataset import WARMSTART_PROBE_ROWS
 from moe_rl.warmstart.demos import answer_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def check_config(cfg: Config) -> None:
@@ -98,6 +100,9 @@ def check_launch(cfg: Config, world: int) -> None:
     """What `world` processes allow beyond `check_world`: vLLM (installed, in one process) and FSDP's
     low-precision shards (no master weights). Before the warm start: a missing extra or launcher fails at once."""
     if cfg.sampler.engine == "vllm":
+        # Imported here, as every import of transformers' model code: moe-rl-train imports this module at once.
+        from moe_rl.rollout.vllm_engine import require_vllm
+
         require_vllm()
         if world > 1:
             raise ValueError(
@@ -185,6 +190,8 @@ def check_prompt_lengths(task: DatasetTask, cfg: Config) -> None:
         folder = Path(cfg.model.pretrained).expanduser()
         if not (folder / "config.json").is_file():
             return
+        from transformers import AutoTokenizer  # a second's import, for a local pretrained folder only
+
         limit = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
         tokenizer, where = AutoTokenizer.from_pretrained(str(folder)), f"{folder}'s max_position_embeddings"
     else:

@@ -6,11 +6,15 @@ Shape legend: B rows, S sequence length (prompt + response + EOS, right-padded),
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.rollout import SamplerConfig, position_ids_from_mask, sample
 from moe_rl.tasks import Example, Task
+
+if TYPE_CHECKING:  # annotations only: importing PreTrainedModel loads transformers' model code
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def answer_ids(tokenizer: PreTrainedTokenizerBase, task: Task, example: Example) -> list[int]:

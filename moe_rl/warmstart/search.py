@@ -9,16 +9,18 @@ import math
 import random
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.rollout import SamplerConfig
 from moe_rl.tasks import Task, split_seed
 from moe_rl.warmstart.config import WarmStartConfig
 from moe_rl.warmstart.demos import demonstration_batch, demonstration_loss, heldout_accuracy
+
+if TYPE_CHECKING:  # annotations only: importing PreTrainedModel loads transformers' model code
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 LR_BACKOFF = 0.5
 """Learning-rate factor applied at each rollback after an overshoot."""
