@@ -2,27 +2,23 @@
 
 The entry point converts the composed config once with `OmegaConf.to_object` into `Config`, then
 calls `Config.validate()`, which raises `ValueError` naming the first bad field before any compute.
+Each section validates its own fields (`ObjectiveConfig.validate`, ...); `Config.validate` adds the
+checks that read more than one section. The schema does no I/O: the start-up checks that read files,
+build the task or look at the machine are in `moe_rl.startup`, above it.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
 from typing import Any
-
-import torch
-from safetensors import safe_open
 
 from moe_rl.models.config import DTYPES, ModelConfig
 from moe_rl.objectives import OBJECTIVES, SPECS
 from moe_rl.objectives.common import AGGREGATIONS, KL_ESTIMATOR_NAMES, ROLLOUT_IS_MODES
 from moe_rl.rollout.sampler import SamplerConfig
-from moe_rl.tasks import DATASET, DatasetTask, Task, TaskConfig, build_task, make_task
-from moe_rl.tasks.dataset_checks import check_dataset_run
-from moe_rl.trainer.evaluate import EvalConfig
-from moe_rl.warmstart import WarmStartConfig
+from moe_rl.tasks.config import DATASET, TaskConfig
 
 INFINITE_OK = ("collapse.ratio_max",)
 """Float fields where +inf is meaningful (a threshold that never fires); NaN is refused everywhere."""
@@ -97,6 +93,58 @@ class ObjectiveConfig:
     """Ratios (the objective's own: r_it, or s_i for gspo, gspo_token and gmpo) outside [lo, hi] count as
     extreme in policy/extreme_weight_share, the share of gradient weight Σ|ρ·Â| such entries carry."""
 
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field (the checks that read objective.* alone)."""
+        if self.name not in OBJECTIVES:
+            raise ValueError(f"objective.name={self.name!r}: expected one of {sorted(OBJECTIVES)}")
+        if self.loss_agg not in AGGREGATIONS:
+            raise ValueError(f"objective.loss_agg={self.loss_agg!r}: expected one of {sorted(AGGREGATIONS)}")
+        spec = SPECS[self.name]
+        if self.loss_agg not in spec.loss_aggs:
+            raise ValueError(
+                f"objective.loss_agg={self.loss_agg!r}: {self.name} defines {', '.join(spec.loss_aggs)} only"
+            )
+        below_one = self.clip_low <= 1 if spec.clip_low_may_be_one else self.clip_low < 1
+        if not (self.clip_low >= 0 and below_one):
+            interval = "[0, 1]" if spec.clip_low_may_be_one else "[0, 1)"
+            raise ValueError(f"objective.clip_low={self.clip_low}: must be in {interval} for {self.name}")
+        if self.kl_estimator not in KL_ESTIMATOR_NAMES:
+            raise ValueError(
+                f"objective.kl_estimator={self.kl_estimator!r}: expected one of {list(KL_ESTIMATOR_NAMES)}"
+            )
+        band = self.rollout_is_band
+        if len(band) != 2 or not 0 <= band[0] < 1 < band[1]:
+            raise ValueError(f"objective.rollout_is_band={band}: expected [α, β] with 0 <= α < 1 < β")
+        if self.opsm_delta is not None and not self.opsm_delta >= 0:
+            raise ValueError(f"objective.opsm_delta={self.opsm_delta}: must be >= 0 (or null)")
+        if not 0 < self.router_shift_floor <= 1:
+            raise ValueError(f"objective.router_shift_floor={self.router_shift_floor}: must be in (0, 1]")
+        for name in ("tau_pos", "tau_neg"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"objective.{name}={getattr(self, name)}: SAPO's temperature must be > 0")
+        if self.clip_ratio_c is not None and not spec.dual_clip:
+            raise ValueError(
+                f"objective.clip_ratio_c={self.clip_ratio_c}: dual-clip caps PPO's min, which {self.name} does "
+                "not have; set it to null"
+            )
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"objective.clip_ratio_c={self.clip_ratio_c}: must be > 1 (or null)")
+        if self.rollout_is not in ROLLOUT_IS_MODES:
+            raise ValueError(f"objective.rollout_is={self.rollout_is!r}: expected one of {ROLLOUT_IS_MODES}")
+        if not self.rollout_is_cap > 1:
+            raise ValueError(f"objective.rollout_is_cap={self.rollout_is_cap}: must be > 1")
+        if self.clip_high < 0:
+            raise ValueError(f"objective.clip_high={self.clip_high}: must be >= 0")
+        if self.beta < 0:
+            raise ValueError(f"objective.beta={self.beta}: must be >= 0")
+        if len(self.extreme_band) != 2 or not 0 <= self.extreme_band[0] < 1 < self.extreme_band[1]:
+            raise ValueError(
+                f"objective.extreme_band={self.extreme_band}: expected [lo, hi] with 0 <= lo < 1 < hi"
+            )
+        band = self.extreme_weight_band
+        if len(band) != 2 or not 0 <= band[0] < 1 < band[1]:
+            raise ValueError(f"objective.extreme_weight_band={band}: expected [lo, hi] with 0 <= lo < 1 < hi")
+
 
 @dataclass
 class RoutingConfig:
@@ -139,6 +187,32 @@ class RoutingConfig:
     """Persistent alternative, σ_w >= 0: after each optimizer step every router's weight matrix gets
     N(0, σ_w²) added element-wise (seeded from (seed, step, mini-batch)), so the perturbation is part of
     the policy: the sampler, the old-policy forward and eval all see it, and it accumulates."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field (the checks that read routing.* alone)."""
+        if self.replay not in REPLAY_SOURCES:
+            raise ValueError(f"routing.replay={self.replay!r}: expected one of {REPLAY_SOURCES}")
+        if not 0 <= self.drift <= 1:  # also false for NaN
+            raise ValueError(f"routing.drift={self.drift}: must be in [0, 1]")
+        if self.drift_from_minibatch < 1:
+            raise ValueError(f"routing.drift_from_minibatch={self.drift_from_minibatch}: must be >= 1")
+        if self.logit_noise < 0 or self.weight_noise < 0:
+            raise ValueError(
+                f"routing.logit_noise={self.logit_noise}, routing.weight_noise={self.weight_noise}: must be >= 0"
+            )
+        if self.noise_growth not in NOISE_GROWTH:
+            raise ValueError(f"routing.noise_growth={self.noise_growth!r}: expected one of {NOISE_GROWTH}")
+        if self.noise_scope not in NOISE_SCOPES:
+            raise ValueError(f"routing.noise_scope={self.noise_scope!r}: expected one of {NOISE_SCOPES}")
+        if self.logit_noise > 0 and self.drift > 0:
+            raise ValueError(
+                f"routing.logit_noise={self.logit_noise} and routing.drift={self.drift}: choose one perturbation"
+            )
+        if self.logit_noise > 0 and self.noise_scope == "trainer" and self.noise_growth != "constant":
+            raise ValueError(
+                "routing.noise_scope=trainer perturbs the old-policy forward, which has seen no update, "
+                "so its noise cannot grow with staleness: set routing.noise_growth=constant"
+            )
 
 
 @dataclass
@@ -203,6 +277,173 @@ class TrainerConfig:
     """Also write the policy in Hugging Face format (`policy/` in the run folder: `save_pretrained` of
     the model and tokenizer, plus moe_rl.json with the config and metrics) at every checkpoint. It is
     always written at the end of the run; see moe_rl/trainer/export.py."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field (the checks that read trainer.* alone)."""
+        for name in ("steps", "prompts_per_step", "mini_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name}={getattr(self, name)}: must be >= 1")
+        if self.group_size < 2:
+            raise ValueError(
+                f"trainer.group_size={self.group_size}: must be >= 2 (advantages are group-relative)"
+            )
+        if self.group_minibatches and self.prompts_per_step % self.mini_batches:
+            raise ValueError(
+                f"trainer.group_minibatches=true needs trainer.mini_batches={self.mini_batches} to divide "
+                f"trainer.prompts_per_step={self.prompts_per_step} (each mini-batch holds whole groups)"
+            )
+        if (self.prompts_per_step * self.group_size) % self.mini_batches:
+            raise ValueError(
+                f"trainer.mini_batches={self.mini_batches} does not divide the rollout batch "
+                f"prompts_per_step * group_size = {self.prompts_per_step * self.group_size}"
+            )
+        if self.lr <= 0:
+            raise ValueError(f"trainer.lr={self.lr}: must be > 0")
+        if not (math.isfinite(self.router_lr_scale) and self.router_lr_scale > 0):
+            raise ValueError(
+                f"trainer.router_lr_scale={self.router_lr_scale}: must be a finite number > 0 (the routers' lr "
+                "is trainer.lr x this; 1 trains them at trainer.lr)"
+            )
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"trainer.grad_clip={self.grad_clip}: must be > 0, or null for no clipping")
+        if self.checkpoint_every < 0 or self.warmup_steps < 0 or self.threads < 0:
+            raise ValueError(
+                "trainer.checkpoint_every, trainer.warmup_steps and trainer.threads must be >= 0"
+            )
+        if self.sampler_dtype is not None and self.sampler_dtype not in DTYPES:
+            raise ValueError(f"trainer.sampler_dtype={self.sampler_dtype!r}: expected one of {DTYPES} or null")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"trainer.parallel={self.parallel!r}: expected one of {PARALLEL}")
+        if self.dist_timeout_s < 1:
+            raise ValueError(f"trainer.dist_timeout_s={self.dist_timeout_s}: must be >= 1")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"trainer.device={self.device!r}: expected cpu or cuda[:N]")
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start before RL (see moe_rl.warmstart for the stopping rule and the cache)."""
+
+    enabled: bool = True
+    """Run the warm start before RL; when false RL starts from the config-built model."""
+    target_low: float = 0.2
+    """Lower edge of the held-out accuracy band: below it RL groups are mostly all-zero."""
+    target_high: float = 0.6
+    """Upper edge of the band: above it the task is mostly solved and RL has little left to learn."""
+    max_steps: int = 2000
+    """Most optimizer steps, including steps discarded by a rollback after an overshoot."""
+    batch_size: int = 64
+    """Demonstrations per optimizer step."""
+    lr: float = 3e-3
+    """AdamW learning rate (halved at each rollback)."""
+    eval_every: int = 25
+    """Optimizer steps between held-out evaluations (1 after the first overshoot)."""
+    eval_size: int = 128
+    """Held-out eval-split examples per evaluation, sampled in one batch."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of the accuracy check; 0 means greedy. Default 1.0, the RL temperature,
+    because what RL needs is the success rate of its *samples*: greedy accuracy can be far higher."""
+    cache_dir: str = "~/.cache/moe-rl/warmstart"
+    """Where finished warm starts are kept (not part of the cache key)."""
+    seed: int = 0
+    """Seed of the held-out eval examples, fixed across run seeds so every run is judged on one set."""
+    build_seed: int | None = None
+    """None (default): each run seed builds (and caches) its own warm start, so seeds also vary the
+    starting policy. An integer: every run starts from the warm start built with this seed, one policy
+    shared by all run seeds (as every arm of the paper starts from one checkpoint); run seeds then vary
+    only RL's sampling and shuffling, and one build serves a whole sweep. The cache key holds the seed
+    used, not this field: build_seed=3 reuses the entry a run with seed=3 built."""
+    pretrain_steps: int = 0
+    """Optimizer steps of *pretraining* on the broad mixture (`moe_rl.tasks.BroadTask`: every task family
+    at every difficulty) before the band search on the run's task, with load balancing on
+    (`pretrain_aux_loss_coef`), so the routers start like a pretrained MoE's: trained on broad data,
+    balanced. 0 (default) skips it: the warm start is the task-only one that published results used, and
+    its cache keys are unchanged. Uses `batch_size` and `lr`; the band search then starts a fresh AdamW,
+    as fine-tuning a pretrained checkpoint does (`moe_rl.warmstart.pretrain`)."""
+    pretrain_aux_loss_coef: float = 0.01
+    """Load-balancing coefficient of pretraining only (the family's aux loss, transformers'
+    load_balancing_loss_func). Separate from `model.router_aux_loss_coef`, which also enters the band
+    search and every RL update: a pretrained MoE is balanced in pretraining whatever its fine-tuning
+    does. 0.01 is Switch Transformer's and OLMoE's coefficient. Ignored (and not in the cache key) when
+    `pretrain_steps` = 0."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        if not 0 <= self.target_low < self.target_high <= 1:
+            raise ValueError(
+                f"warmstart.target_low={self.target_low}, warmstart.target_high={self.target_high}: "
+                "need 0 <= target_low < target_high <= 1"
+            )
+        for name in ("max_steps", "batch_size", "eval_every", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"warmstart.{name}={getattr(self, name)}: must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"warmstart.lr={self.lr}: must be > 0")
+        if self.eval_temperature < 0:
+            raise ValueError(f"warmstart.eval_temperature={self.eval_temperature}: must be >= 0 (0 = greedy)")
+        if not self.cache_dir:
+            raise ValueError("warmstart.cache_dir is empty: give a directory for finished warm starts")
+        if self.seed < 0:
+            raise ValueError(f"warmstart.seed={self.seed}: must be >= 0")
+        if self.build_seed is not None and self.build_seed < 0:
+            raise ValueError(f"warmstart.build_seed={self.build_seed}: must be >= 0 or null")
+        if self.pretrain_steps < 0:
+            raise ValueError(f"warmstart.pretrain_steps={self.pretrain_steps}: must be >= 0 (0 = no pretraining)")
+        if not self.pretrain_aux_loss_coef >= 0:
+            raise ValueError(f"warmstart.pretrain_aux_loss_coef={self.pretrain_aux_loss_coef}: must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during RL (moe_rl.trainer.evaluate)."""
+
+    every: int = 10
+    """Evaluate after every N RL steps, and always after the last step (or a collapse stop); 0 = only at
+    the end."""
+    size: int = 64
+    """Number of eval prompts sampled as in RL (`eval/accuracy`); 0 turns sampled evaluation off."""
+    expected_size: int = 512
+    """Number of eval prompts scored teacher-forced (`eval/expected_accuracy`) and greedily
+    (`eval/accuracy_greedy`); 0 turns both off. With `size` 0 too, evaluation is off."""
+    batch_size: int = 128
+    """Prompts per forward of the teacher-forced and greedy evaluations (memory, not results)."""
+    at_start: bool = True
+    """Also evaluate before the first update (`eval/initial/*` in step 0's row; not repeated on resume)."""
+    seed: int = 12345
+    """Seed of the eval prompts and of the sampling noise (distinct from the warm start's eval set)."""
+    fit_heldout: bool = True
+    """task=dataset: when the dataset holds out fewer rows than `size` or `expected_size` ask for, evaluate
+    on all of its held-out rows instead, with a one-line note (a 200-row file holds out 20); false refuses
+    such a run at start-up."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        for name in ("every", "size", "expected_size", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"eval.{name}={getattr(self, name)}: must be >= 0")
+        if self.batch_size < 1:
+            raise ValueError(f"eval.batch_size={self.batch_size}: must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any evaluation runs."""
+        return self.size > 0 or self.expected_size > 0
+
+    @property
+    def prompts_needed(self) -> int:
+        """How many prompts of the eval stream the evaluations use."""
+        return max(self.size, self.expected_size)
+
+    def fitted(self, heldout: int) -> EvalConfig:
+        """This config with `size` and `expected_size` at most `heldout` (a dataset's held-out rows) when
+        `fit_heldout`; unchanged otherwise, or when nothing is held out."""
+        if not self.fit_heldout or heldout < 1:
+            return self
+        return dataclasses.replace(self, size=min(self.size, heldout), expected_size=min(self.expected_size, heldout))
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether to evaluate after RL step `step` (0-based)."""
+        return self.enabled and (last or (self.every > 0 and (step + 1) % self.every == 0))
 
 
 COLLAPSE_KINDS = ("nonfinite", "reward_collapse", "eval_regression", "entropy_collapse", "ratio_blowup")
@@ -306,6 +547,16 @@ class LoggerConfig:
     """Seconds W&B may take to start (e.g. a server rejecting the key); then training goes on with
     local logs only, with a warning."""
 
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        check_kinds("logger.alert_kinds", self.alert_kinds)
+        if self.init_timeout_s <= 0:
+            raise ValueError(f"logger.init_timeout_s={self.init_timeout_s}: must be > 0")
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"logger.mode={self.mode!r}: expected one of {WANDB_MODES}")
+        if self.alert_interval_s < 0:
+            raise ValueError(f"logger.alert_interval_s={self.alert_interval_s}: must be >= 0")
+
 
 @dataclass
 class Config:
@@ -340,149 +591,40 @@ class Config:
     """Name of the experiment (set by conf/experiment/*.yaml); a W&B grouping field."""
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field: each section's own checks, then those across sections.
+        No file is read and no task is built (`moe_rl.startup.check_config` does both after this)."""
         check_finite(self)
         self.model.validate()
-        check_pretrained(self.model.pretrained)
         self.task.validate()
         self._validate_dataset_options()
-        # A dataset's answers are known once it is loaded (load_task); a synthetic task's bound is exact.
-        longest = 0 if self.task.name == DATASET else (
-            make_task(self.task.name, self.task.difficulty, self.task.mix).max_response_len + 1  # + EOS
-        )
-        if self.sampler.max_new_tokens < longest:
-            where = f"task.mix={self.task.mix}" if self.task.mix else f"difficulty {self.task.difficulty}"
+        self.objective.validate()
+        t, sp, r = self.trainer, self.sampler, self.routing
+        if self.objective.rollout_is != "none" and t.reuse_sampler_logp:
             raise ValueError(
-                f"sampler.max_new_tokens={self.sampler.max_new_tokens} is shorter than the longest "
-                f"answer of task {self.task.name} at {where} ({longest} tokens with EOS)"
-            )
-        o = self.objective
-        if o.name not in OBJECTIVES:
-            raise ValueError(f"objective.name={o.name!r}: expected one of {sorted(OBJECTIVES)}")
-        if o.loss_agg not in AGGREGATIONS:
-            raise ValueError(f"objective.loss_agg={o.loss_agg!r}: expected one of {sorted(AGGREGATIONS)}")
-        spec = SPECS[o.name]
-        if o.loss_agg not in spec.loss_aggs:
-            raise ValueError(
-                f"objective.loss_agg={o.loss_agg!r}: {o.name} defines {', '.join(spec.loss_aggs)} only"
-            )
-        below_one = o.clip_low <= 1 if spec.clip_low_may_be_one else o.clip_low < 1
-        if not (o.clip_low >= 0 and below_one):
-            interval = "[0, 1]" if spec.clip_low_may_be_one else "[0, 1)"
-            raise ValueError(f"objective.clip_low={o.clip_low}: must be in {interval} for {o.name}")
-        if o.kl_estimator not in KL_ESTIMATOR_NAMES:
-            raise ValueError(
-                f"objective.kl_estimator={o.kl_estimator!r}: expected one of {list(KL_ESTIMATOR_NAMES)}"
-            )
-        if len(o.rollout_is_band) != 2 or not 0 <= o.rollout_is_band[0] < 1 < o.rollout_is_band[1]:
-            raise ValueError(
-                f"objective.rollout_is_band={o.rollout_is_band}: expected [α, β] with 0 <= α < 1 < β"
-            )
-        if o.opsm_delta is not None and not o.opsm_delta >= 0:
-            raise ValueError(f"objective.opsm_delta={o.opsm_delta}: must be >= 0 (or null)")
-        if not 0 < o.router_shift_floor <= 1:
-            raise ValueError(f"objective.router_shift_floor={o.router_shift_floor}: must be in (0, 1]")
-        for name in ("tau_pos", "tau_neg"):
-            if not getattr(o, name) > 0:
-                raise ValueError(f"objective.{name}={getattr(o, name)}: SAPO's temperature must be > 0")
-        if o.clip_ratio_c is not None and not spec.dual_clip:
-            raise ValueError(
-                f"objective.clip_ratio_c={o.clip_ratio_c}: dual-clip caps PPO's min, which {o.name} does not "
-                "have; set it to null"
-            )
-        if o.clip_ratio_c is not None and not o.clip_ratio_c > 1:
-            raise ValueError(f"objective.clip_ratio_c={o.clip_ratio_c}: must be > 1 (or null)")
-        if o.rollout_is not in ROLLOUT_IS_MODES:
-            raise ValueError(f"objective.rollout_is={o.rollout_is!r}: expected one of {ROLLOUT_IS_MODES}")
-        if not o.rollout_is_cap > 1:
-            raise ValueError(f"objective.rollout_is_cap={o.rollout_is_cap}: must be > 1")
-        if o.rollout_is != "none" and self.trainer.reuse_sampler_logp:
-            raise ValueError(
-                f"objective.rollout_is={o.rollout_is!r} corrects old vs sampler log-probs, which "
+                f"objective.rollout_is={self.objective.rollout_is!r} corrects old vs sampler log-probs, which "
                 "trainer.reuse_sampler_logp=true makes identical (weight 1): set objective.rollout_is=none"
             )
-        if o.clip_high < 0:
-            raise ValueError(f"objective.clip_high={o.clip_high}: must be >= 0")
-        if o.beta < 0:
-            raise ValueError(f"objective.beta={o.beta}: must be >= 0")
-        if len(o.extreme_band) != 2 or not 0 <= o.extreme_band[0] < 1 < o.extreme_band[1]:
+        r.validate()
+        if r.logit_noise > 0 and r.noise_scope == "trainer" and t.reuse_sampler_logp:
             raise ValueError(
-                f"objective.extreme_band={o.extreme_band}: expected [lo, hi] with 0 <= lo < 1 < hi"
+                "routing.noise_scope=trainer perturbs the old-policy forward, which "
+                "trainer.reuse_sampler_logp=true skips: set trainer.reuse_sampler_logp=false"
             )
-        band = o.extreme_weight_band
-        if len(band) != 2 or not 0 <= band[0] < 1 < band[1]:
-            raise ValueError(f"objective.extreme_weight_band={band}: expected [lo, hi] with 0 <= lo < 1 < hi")
-        if self.routing.replay not in REPLAY_SOURCES:
-            raise ValueError(f"routing.replay={self.routing.replay!r}: expected one of {REPLAY_SOURCES}")
-        if not 0 <= self.routing.drift <= 1:  # also false for NaN
-            raise ValueError(f"routing.drift={self.routing.drift}: must be in [0, 1]")
-        if self.routing.drift_from_minibatch < 1:
-            raise ValueError(f"routing.drift_from_minibatch={self.routing.drift_from_minibatch}: must be >= 1")
-        self._validate_noise()
-        self.sampler.validate()
-        if self.sampler.temperature == 0:
+        if r.weight_noise > 0 and t.parallel == "fsdp":
+            raise ValueError(
+                "routing.weight_noise perturbs whole router weights, which trainer.parallel=fsdp shards: "
+                "use trainer.parallel=ddp"
+            )
+        sp.validate()
+        # Not in SamplerConfig.validate: greedy sampling is fine for eval and the warm start, not for RL.
+        if sp.temperature == 0:
             raise ValueError(
                 "sampler.temperature=0 samples greedily, so every response of a group is the same, every "
                 "group-relative advantage is 0 and nothing trains: use a temperature > 0 (held-out eval "
                 "reports greedy accuracy on its own: eval/accuracy_greedy)"
             )
-        t = self.trainer
-        for name in ("steps", "prompts_per_step", "mini_batches"):
-            if getattr(t, name) < 1:
-                raise ValueError(f"trainer.{name}={getattr(t, name)}: must be >= 1")
-        if t.group_size < 2:
-            raise ValueError(
-                f"trainer.group_size={t.group_size}: must be >= 2 (advantages are group-relative)"
-            )
-        if t.group_minibatches and t.prompts_per_step % t.mini_batches:
-            raise ValueError(
-                f"trainer.group_minibatches=true needs trainer.mini_batches={t.mini_batches} to divide "
-                f"trainer.prompts_per_step={t.prompts_per_step} (each mini-batch holds whole groups)"
-            )
-        if (t.prompts_per_step * t.group_size) % t.mini_batches:
-            raise ValueError(
-                f"trainer.mini_batches={t.mini_batches} does not divide the rollout batch "
-                f"prompts_per_step * group_size = {t.prompts_per_step * t.group_size}"
-            )
-        if t.lr <= 0:
-            raise ValueError(f"trainer.lr={t.lr}: must be > 0")
-        if not (math.isfinite(t.router_lr_scale) and t.router_lr_scale > 0):
-            raise ValueError(
-                f"trainer.router_lr_scale={t.router_lr_scale}: must be a finite number > 0 (the routers' lr is "
-                "trainer.lr x this; 1 trains them at trainer.lr)"
-            )
-        if t.grad_clip is not None and not t.grad_clip > 0:
-            raise ValueError(f"trainer.grad_clip={t.grad_clip}: must be > 0, or null for no clipping")
-        if t.checkpoint_every < 0 or t.warmup_steps < 0 or t.threads < 0:
-            raise ValueError(
-                "trainer.checkpoint_every, trainer.warmup_steps and trainer.threads must be >= 0"
-            )
-        if t.sampler_dtype is not None and t.sampler_dtype not in DTYPES:
-            raise ValueError(f"trainer.sampler_dtype={t.sampler_dtype!r}: expected one of {DTYPES} or null")
-        if t.reuse_sampler_logp and t.sampler_dtype not in (None, self.model.dtype):
-            raise ValueError(
-                f"trainer.reuse_sampler_logp=true needs the sampler to be the trained model, but "
-                f"trainer.sampler_dtype={t.sampler_dtype!r} samples with a {t.sampler_dtype} copy: set "
-                "trainer.sampler_dtype=null or trainer.reuse_sampler_logp=false"
-            )
-        sp = self.sampler
-        if t.reuse_sampler_logp and sp.logprobs == "processed" and sp.top_p < 1 and not sp.keep_sampling_mask:
-            raise ValueError(
-                f"trainer.reuse_sampler_logp=true with sampler.logprobs=processed at sampler.top_p={sp.top_p}: "
-                "processed log-probs are renormalised over the top-p nucleus, so they are not the old policy's "
-                "(the first mini-batch's ratio would not be 1); set sampler.logprobs=raw, or "
-                "sampler.keep_sampling_mask=true (the trainer's forwards then renormalise over the same nucleus)"
-            )
-        if self.sampler.engine == "vllm" and t.reuse_sampler_logp:
-            raise ValueError(
-                "trainer.reuse_sampler_logp=true takes the sampler's log-probs and routes as the old policy's, "
-                "which holds only for the trained model itself, not for sampler.engine=vllm: set "
-                "trainer.reuse_sampler_logp=false"
-            )
-        if t.parallel not in PARALLEL:
-            raise ValueError(f"trainer.parallel={t.parallel!r}: expected one of {PARALLEL}")
-        if t.dist_timeout_s < 1:
-            raise ValueError(f"trainer.dist_timeout_s={t.dist_timeout_s}: must be >= 1")
+        t.validate()
+        self._validate_sampler_reuse()
         if self.task.chat_template and self.warmstart.enabled:
             raise ValueError(
                 "task.chat_template=true needs warmstart.enabled=false: the warm start trains on plain prompts"
@@ -492,16 +634,8 @@ class Config:
                 f"warmstart.pretrain_steps={self.warmstart.pretrain_steps} needs warmstart.enabled=true: "
                 "pretraining is the warm start's first stage"
             )
-        if t.device not in ("cpu", "cuda") and not t.device.startswith("cuda:"):
-            raise ValueError(f"trainer.device={t.device!r}: expected cpu or cuda[:N]")
         self.collapse.validate()
-        check_kinds("logger.alert_kinds", self.logger.alert_kinds)
-        if self.logger.init_timeout_s <= 0:
-            raise ValueError(f"logger.init_timeout_s={self.logger.init_timeout_s}: must be > 0")
-        if self.logger.mode not in WANDB_MODES:
-            raise ValueError(f"logger.mode={self.logger.mode!r}: expected one of {WANDB_MODES}")
-        if self.logger.alert_interval_s < 0:
-            raise ValueError(f"logger.alert_interval_s={self.logger.alert_interval_s}: must be >= 0")
+        self.logger.validate()
         self.warmstart.validate()
         self.eval.validate()
         if self.seed < 0:
@@ -509,6 +643,30 @@ class Config:
         if self.overwrite and self.resume:
             raise ValueError(
                 "overwrite=true moves the folder's run aside, resume=true continues it: set one of them"
+            )
+
+    def _validate_sampler_reuse(self) -> None:
+        """trainer.reuse_sampler_logp needs log-probs the old policy's forward would compute: those of the
+        trained model itself (no dtype copy, no vLLM), not renormalised over a nucleus it does not know."""
+        t, sp = self.trainer, self.sampler
+        if t.reuse_sampler_logp and t.sampler_dtype not in (None, self.model.dtype):
+            raise ValueError(
+                f"trainer.reuse_sampler_logp=true needs the sampler to be the trained model, but "
+                f"trainer.sampler_dtype={t.sampler_dtype!r} samples with a {t.sampler_dtype} copy: set "
+                "trainer.sampler_dtype=null or trainer.reuse_sampler_logp=false"
+            )
+        if t.reuse_sampler_logp and sp.logprobs == "processed" and sp.top_p < 1 and not sp.keep_sampling_mask:
+            raise ValueError(
+                f"trainer.reuse_sampler_logp=true with sampler.logprobs=processed at sampler.top_p={sp.top_p}: "
+                "processed log-probs are renormalised over the top-p nucleus, so they are not the old policy's "
+                "(the first mini-batch's ratio would not be 1); set sampler.logprobs=raw, or "
+                "sampler.keep_sampling_mask=true (the trainer's forwards then renormalise over the same nucleus)"
+            )
+        if sp.engine == "vllm" and t.reuse_sampler_logp:
+            raise ValueError(
+                "trainer.reuse_sampler_logp=true takes the sampler's log-probs and routes as the old policy's, "
+                "which holds only for the trained model itself, not for sampler.engine=vllm: set "
+                "trainer.reuse_sampler_logp=false"
             )
 
     def _validate_dataset_options(self) -> None:
@@ -531,55 +689,6 @@ class Config:
                 "whose text a dataset's tokenizer does not cover: set warmstart.pretrain_steps=0 for task=dataset"
             )
 
-    def load_task(self) -> Task:
-        """The run's task, built (a dataset loads its rows, verifier and reward function) and checked against
-        the rest of the config; ValueError naming the field. The entry point calls it at start-up, so bad
-        data stops the run in one line before anything is written; the trainer calls it for the run's task."""
-        task = build_task(self.task)
-        if not isinstance(task, DatasetTask):
-            return task
-        check_dataset_run(task, self)
-        return task
-
-    def _validate_noise(self) -> None:
-        """The routing-noise fields (routing.logit_noise, noise_growth, noise_scope, weight_noise)."""
-        r = self.routing
-        if r.logit_noise < 0 or r.weight_noise < 0:
-            raise ValueError(
-                f"routing.logit_noise={r.logit_noise}, routing.weight_noise={r.weight_noise}: must be >= 0"
-            )
-        if r.noise_growth not in NOISE_GROWTH:
-            raise ValueError(f"routing.noise_growth={r.noise_growth!r}: expected one of {NOISE_GROWTH}")
-        if r.noise_scope not in NOISE_SCOPES:
-            raise ValueError(f"routing.noise_scope={r.noise_scope!r}: expected one of {NOISE_SCOPES}")
-        if r.logit_noise > 0 and r.drift > 0:
-            raise ValueError(
-                f"routing.logit_noise={r.logit_noise} and routing.drift={r.drift}: choose one perturbation"
-            )
-        if r.logit_noise > 0 and r.noise_scope == "trainer":
-            if r.noise_growth != "constant":
-                raise ValueError(
-                    "routing.noise_scope=trainer perturbs the old-policy forward, which has seen no update, "
-                    "so its noise cannot grow with staleness: set routing.noise_growth=constant"
-                )
-            if self.trainer.reuse_sampler_logp:
-                raise ValueError(
-                    "routing.noise_scope=trainer perturbs the old-policy forward, which "
-                    "trainer.reuse_sampler_logp=true skips: set trainer.reuse_sampler_logp=false"
-                )
-        if r.weight_noise > 0 and self.trainer.parallel == "fsdp":
-            raise ValueError(
-                "routing.weight_noise perturbs whole router weights, which trainer.parallel=fsdp shards: "
-                "use trainer.parallel=ddp"
-            )
-
-    def check_machine(self) -> None:
-        """Raise ValueError naming the field when this machine cannot run the config (trainer.device=cuda
-        without CUDA). Separate from `validate`: configs for GPU machines still compose and validate anywhere."""
-        device = self.trainer.device
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"trainer.device={device!r}: CUDA is not available on this machine; use cpu")
-
 
 def check_finite(config: Any, prefix: str = "") -> None:
     """Raise ValueError naming the first float field (at any depth, list items included) that is NaN or
@@ -592,35 +701,3 @@ def check_finite(config: Any, prefix: str = "") -> None:
         for v in value if isinstance(value, list | tuple) else [value]:
             if isinstance(v, float) and not math.isfinite(v) and not (v == math.inf and name in INFINITE_OK):
                 raise ValueError(f"{name}={value}: must be a finite number")
-
-
-def check_pretrained(pretrained: str | None) -> None:
-    """A `model.pretrained` that names a local folder must exist and hold a model: a config.json that is
-    a JSON object naming its `model_type`, and safetensors weights whose headers read. Anything else that
-    looks like a path (absolute, ./, ../, ~) but is no folder is refused too. (A hub id is checked when
-    it loads: `moe_rl.models.build_model` reports a failed load in one line.)"""
-    if not pretrained:
-        return
-    path = Path(pretrained).expanduser()
-    if path.is_dir():
-        config = path / "config.json"
-        if not config.is_file():
-            raise ValueError(f"model.pretrained={pretrained}: the folder holds no model (no config.json)")
-        try:
-            model_type = json.loads(config.read_text(errors="replace")).get("model_type")
-        except (json.JSONDecodeError, AttributeError):
-            raise ValueError(f"model.pretrained={pretrained}: {config} is not a JSON object") from None
-        if not model_type:
-            raise ValueError(f"model.pretrained={pretrained}: {config} names no model_type")
-        for weights in sorted(path.glob("*.safetensors")):
-            try:
-                with safe_open(str(weights), framework="pt"):
-                    pass
-            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-                raise ValueError(
-                    f"model.pretrained={pretrained}: {weights.name} is not a readable safetensors file "
-                    f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'unreadable'})"
-                ) from None
-        return
-    if path.exists() or pretrained.startswith(("/", "./", "../", "~", ".")):
-        raise ValueError(f"model.pretrained={pretrained}: no such model folder")

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.config import Config
 from moe_rl.errors import RunError, one_line, one_line_warnings
+from moe_rl.startup import check_config, check_machine, load_task
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -48,7 +49,8 @@ def unknown_keys(cfg: DictConfig, schema: type, prefix: str = "") -> list[str]:
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """Convert the composed config to the typed `Config` once, and validate it; ValueError names the field."""
+    """Convert the composed config to the typed `Config` once, and check it (`moe_rl.startup.check_config`:
+    the schema's validation, then a model.pretrained folder's files); ValueError names the field."""
     if unknown := unknown_keys(cfg, Config):
         raise ValueError(
             f"{unknown[0]}: no such field in the schema (moe_rl/config.py); check the spelling"
@@ -60,7 +62,7 @@ def to_config(cfg: DictConfig) -> Config:
         raise ValueError(
             f"{getattr(err, 'full_key', '')}: {err.msg if hasattr(err, 'msg') else err}"
         ) from err
-    config.validate()
+    check_config(config)
     return config
 
 
@@ -107,8 +109,8 @@ def main(cfg: DictConfig) -> float:
     record = hydra_record(cfg)
     try:
         config = to_config(cfg)
-        config.check_machine()
-        config.load_task()  # a dataset's file, fields, verifier and reward function, before anything runs
+        check_machine(config)
+        load_task(config)  # a dataset's file, fields, verifier and reward function, before anything runs
     except ValueError as err:
         print(f"moe-rl-train: invalid config: {err}", file=sys.stderr)
         if not sweeping:

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 
 from moe_rl.config import Config
+from moe_rl.startup import check_config
 from moe_rl.tasks import Example
 from moe_rl.tasks.arithmetic import ArithmeticTask
 from moe_rl.trainer.run import build_context
@@ -74,7 +75,7 @@ def config(w: Workload) -> Config:
     cfg.objective.clip_low, cfg.objective.clip_high = w.clip_low, w.clip_high
     cfg.routing.replay = w.replay
     cfg.logger.wandb, cfg.logger.progress = False, False
-    cfg.validate()
+    check_config(cfg)
     return cfg
 
 

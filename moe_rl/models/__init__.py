@@ -1,7 +1,28 @@
-"""Small MoE language models built from config or loaded pretrained, and a character tokenizer."""
+"""Small MoE language models built from config or loaded pretrained, and a character tokenizer.
 
-from moe_rl.models.build import build_model
+`build_model` and `build_tokenizer` are imported on first use (PEP 562): transformers' model code takes
+seconds to import, and the schema (`moe_rl.models.config`, read by `moe_rl.config`) needs none of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from moe_rl.models.config import ModelConfig
-from moe_rl.models.tokenizer import build_tokenizer
+
+if TYPE_CHECKING:
+    from moe_rl.models.build import build_model
+    from moe_rl.models.tokenizer import build_tokenizer
+
+_LAZY = {"build_model": "moe_rl.models.build", "build_tokenizer": "moe_rl.models.tokenizer"}
 
 __all__ = ["ModelConfig", "build_model", "build_tokenizer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # once imported, a plain attribute
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

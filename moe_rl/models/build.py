@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.errors import RunError
 from moe_rl.models.config import ModelConfig
@@ -99,6 +102,9 @@ def build_model(
     (required then). With `cfg.pretrained`, weights come from `from_pretrained` (a local path or hub id);
     a failed load is one RunError line naming the folder as `where` (default: model.pretrained=...).
     """
+    # Imported here: transformers' model code takes seconds to import, and most importers never build one.
+    from transformers import AutoModelForCausalLM
+
     cfg.validate()
     dtype = getattr(torch, cfg.dtype)
     if cfg.pretrained:

@@ -7,8 +7,12 @@ so a routing trace of a sequence covers S - 1 positions, exactly what the sample
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # annotations only: importing PreTrainedModel loads transformers' model code
+    from transformers import PreTrainedModel
 
 from moe_rl.rollout.support import SamplingSupport, renormalised_logprobs
 

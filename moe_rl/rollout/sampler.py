@@ -20,14 +20,18 @@ import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache
 from transformers.generation import SuppressTokensLogitsProcessor, TopPLogitsWarper
 
 from moe_rl.rollout.forward import position_ids_from_mask
 from moe_rl.rollout.support import SamplingSupport
 from moe_rl.routing import RoutingController, RoutingTrace
+
+if TYPE_CHECKING:  # annotations only: importing PreTrainedModel loads transformers' model code
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 LOGPROBS = ("raw", "processed")
 ENGINES = ("hf", "vllm")

@@ -11,8 +11,6 @@ builds whichever the config names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from moe_rl.tasks.arithmetic import ArithmeticTask
 from moe_rl.tasks.base import ALPHABET, SPLITS, Example, Task, split_seed
 from moe_rl.tasks.broad import BroadTask
@@ -20,20 +18,8 @@ from moe_rl.tasks.config import DATASET, TaskConfig
 from moe_rl.tasks.countdown import CountdownTask
 from moe_rl.tasks.dataset import DatasetTask
 from moe_rl.tasks.mixed import MixedTask
+from moe_rl.tasks.registry import TASKS, make_task
 from moe_rl.tasks.sort import SortTask
-
-TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ArithmeticTask, SortTask, CountdownTask)}
-"""Registry of task classes by `Task.name`."""
-
-
-def make_task(name: str, difficulty: int, mix: Sequence[int] = ()) -> Task:
-    """Build the task called `name` at `difficulty`, or, when `mix` is non-empty, a `MixedTask` drawing
-    each example's difficulty from `mix`; ValueError naming `task.name`, `task.difficulty` or `task.mix`."""
-    if name not in TASKS:
-        raise ValueError(f"task.name must be one of {sorted(TASKS)}, got {name!r}")
-    if mix:
-        return MixedTask(TASKS[name], difficulty, mix)
-    return TASKS[name](difficulty)
 
 
 def build_task(cfg: TaskConfig) -> Task:

@@ -2,7 +2,7 @@
 
 `TaskConfig.validate` checks what needs no file; loading the dataset, its fields, the verifier's package
 and `task.reward_fn` is checked when the task is built (`moe_rl.tasks.build_task`), which the entry point
-does at start-up too (`Config.load_task`), so every bad input stops the run in one line.
+does at start-up too (`moe_rl.startup.load_task`), so every bad input stops the run in one line.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, field
 
+from moe_rl.tasks.registry import TASKS
 from moe_rl.tasks.verifiers import REWARD_FN_SPEC, VERIFIERS
 
 DATASET = "dataset"
@@ -90,8 +91,6 @@ class TaskConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad task field that needs no file to check."""
-        from moe_rl.tasks import TASKS  # the registry imports this module's package
-
         if self.name == DATASET:
             self._validate_dataset()
             return

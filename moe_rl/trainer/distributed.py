@@ -136,31 +136,6 @@ def _export_submitit_env() -> None:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
-def check_world(t: TrainerConfig, world: int) -> None:
-    """Raise ValueError when the step's batch cannot be split evenly over `world` ranks."""
-    if world == 1:
-        return
-    if t.prompts_per_step % world:
-        raise ValueError(
-            f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by the {world} processes: "
-            "each rank samples an equal share of whole prompt groups"
-        )
-    if t.group_minibatches and (t.prompts_per_step // world) % t.mini_batches:
-        raise ValueError(
-            f"trainer.group_minibatches=true: trainer.mini_batches={t.mini_batches} does not divide each "
-            f"rank's prompts, prompts_per_step / processes = {t.prompts_per_step // world}"
-        )
-    if (t.prompts_per_step * t.group_size // world) % t.mini_batches:
-        raise ValueError(
-            f"trainer.mini_batches={t.mini_batches} does not divide each rank's rows "
-            f"prompts_per_step * group_size / processes = {t.prompts_per_step * t.group_size // world}"
-        )
-    if t.parallel == "fsdp" and t.sampler_dtype is not None:
-        raise ValueError(
-            "trainer.sampler_dtype is not available with trainer.parallel=fsdp (a sharded policy)"
-        )
-
-
 def minibatch_rows(n_rows: int, mini_batches: int, generator: torch.Generator, unit: int = 1) -> torch.Tensor:
     """`[M, B / M]` global row indices of each mini-batch, drawn identically on every rank.
 

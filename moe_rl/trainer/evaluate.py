@@ -36,67 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from moe_rl.config import EvalConfig
 from moe_rl.rollout import SamplerConfig, response_logprobs, sample
 from moe_rl.tasks import Example, Task
 from moe_rl.warmstart import answer_ids
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation during RL (moe_rl.trainer.evaluate)."""
-
-    every: int = 10
-    """Evaluate after every N RL steps, and always after the last step (or a collapse stop); 0 = only at
-    the end."""
-    size: int = 64
-    """Number of eval prompts sampled as in RL (`eval/accuracy`); 0 turns sampled evaluation off."""
-    expected_size: int = 512
-    """Number of eval prompts scored teacher-forced (`eval/expected_accuracy`) and greedily
-    (`eval/accuracy_greedy`); 0 turns both off. With `size` 0 too, evaluation is off."""
-    batch_size: int = 128
-    """Prompts per forward of the teacher-forced and greedy evaluations (memory, not results)."""
-    at_start: bool = True
-    """Also evaluate before the first update (`eval/initial/*` in step 0's row; not repeated on resume)."""
-    seed: int = 12345
-    """Seed of the eval prompts and of the sampling noise (distinct from the warm start's eval set)."""
-    fit_heldout: bool = True
-    """task=dataset: when the dataset holds out fewer rows than `size` or `expected_size` ask for, evaluate
-    on all of its held-out rows instead, with a one-line note (a 200-row file holds out 20); false refuses
-    such a run at start-up."""
-
-    def validate(self) -> None:
-        """Raise ValueError naming the offending field."""
-        for name in ("every", "size", "expected_size", "seed"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"eval.{name}={getattr(self, name)}: must be >= 0")
-        if self.batch_size < 1:
-            raise ValueError(f"eval.batch_size={self.batch_size}: must be >= 1")
-
-    @property
-    def enabled(self) -> bool:
-        """Whether any evaluation runs."""
-        return self.size > 0 or self.expected_size > 0
-
-    @property
-    def prompts_needed(self) -> int:
-        """How many prompts of the eval stream the evaluations use."""
-        return max(self.size, self.expected_size)
-
-    def fitted(self, heldout: int) -> EvalConfig:
-        """This config with `size` and `expected_size` at most `heldout` (a dataset's held-out rows) when
-        `fit_heldout`; unchanged otherwise, or when nothing is held out."""
-        if not self.fit_heldout or heldout < 1:
-            return self
-        return dataclasses.replace(self, size=min(self.size, heldout), expected_size=min(self.expected_size, heldout))
-
-    def due(self, step: int, last: bool) -> bool:
-        """Whether to evaluate after RL step `step` (0-based)."""
-        return self.enabled and (last or (self.every > 0 and (step + 1) % self.every == 0))
 
 
 @torch.no_grad()

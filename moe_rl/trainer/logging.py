@@ -8,7 +8,6 @@ JSON.parse); `float(value)` reads such a string back (`from_json_number`).
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import uuid
@@ -18,29 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.errors import RunError
-
-
-def jsonable(value: Any) -> Any:
-    """`value` with every non-finite float, at any depth, replaced by its string ("nan", "inf", "-inf")."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them visible as strings
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return value
-
-
-def to_json(value: Any, **kwargs: Any) -> str:
-    """Strict JSON (`allow_nan=False`) under the NaN/inf convention of the module docstring."""
-    return json.dumps(jsonable(value), allow_nan=False, **kwargs)
-
-
-def from_json_number(value: Any) -> Any:
-    """A metric value as written by `to_json`: "nan"/"inf"/"-inf" strings back to floats."""
-    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
-        return float(value)
-    return value
+from moe_rl.json_numbers import from_json_number, jsonable, to_json  # noqa: F401 - the logs' convention, re-exported
 
 
 class CorruptLogError(RunError, ValueError):

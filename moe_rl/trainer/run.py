@@ -33,8 +33,16 @@ from moe_rl.models.build import unloadable
 from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.objectives import SPECS
 from moe_rl.provenance import provenance
-from moe_rl.rollout.vllm_engine import VllmEngine, require_vllm
+from moe_rl.rollout.vllm_engine import VllmEngine
 from moe_rl.routing import RoutingController
+from moe_rl.startup import (
+    check_chat_template,
+    check_config,
+    check_launch,
+    check_machine,
+    check_world,
+    load_task,
+)
 from moe_rl.tasks import DatasetTask, Task
 from moe_rl.trainer.checkpoint import (
     CHECKPOINT,
@@ -49,7 +57,6 @@ from moe_rl.trainer.checkpoint import (
 from moe_rl.trainer.collapse import CollapseDetector, CollapseEvent, blowup_counts, counts_by_kind
 from moe_rl.trainer.distributed import (
     Dist,
-    check_world,
     init_distributed,
     load_state_dicts,
     param_checksum,
@@ -92,9 +99,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def _policy(cfg: Config, progress: bool, task: Task | None = None):
-    """The initial policy for `task` (default `cfg.load_task()`): warm-started (cached) when enabled,
-    else freshly built or loaded."""
-    task = task if task is not None else cfg.load_task()
+    """The initial policy for `task` (default `moe_rl.startup.load_task(cfg)`): warm-started (cached) when
+    enabled, else freshly built or loaded."""
+    task = task if task is not None else load_task(cfg)
     if not cfg.warmstart.enabled:
         tokenizer = load_tokenizer(cfg.model.pretrained) if cfg.model.pretrained else policy_tokenizer(cfg.model, task)
         return build_model(cfg.model, tokenizer), tokenizer, None
@@ -123,21 +130,11 @@ def build_context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, d
     """Everything an RL step needs (the policy, its routers, the sampler, the optimiser, the RNGs), and
     what the run reports of its warm start; under torchrun, this rank's share."""
     dist = dist or Dist()
-    if cfg.sampler.engine == "vllm":  # before the warm start: a missing extra or launcher fails at once
-        require_vllm()
-        if dist.world > 1:
-            raise ValueError(
-                f"sampler.engine=vllm runs in one process, not under torchrun with {dist.world}: launch "
-                "without torchrun, or set sampler.engine=hf"
-            )
+    check_launch(cfg, dist.world)  # before the warm start: a missing extra or launcher fails at once
     torch.manual_seed(cfg.seed)
-    task = cfg.load_task()
+    task = load_task(cfg)
     model, tokenizer, ws = _policy(cfg, cfg.logger.progress and dist.main, task)
-    if cfg.task.chat_template and not tokenizer.chat_template:
-        raise ValueError(
-            f"task.chat_template=true, but the tokenizer of {cfg.model.pretrained or 'the built model'} has no "
-            "chat template: set task.chat_template=false"
-        )
+    check_chat_template(cfg, tokenizer)
     t = cfg.trainer
     sharded = dist.world > 1 and t.parallel == "fsdp"
     if not sharded:  # FSDP2 moves each layer's shard to this rank's device as it shards it
@@ -154,11 +151,6 @@ def build_context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, d
     # After wrap: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     # Fused: one kernel per parameter instead of a dozen ops (an optimizer step of the tiny model went
     # from 8.8 ms to 2.3 ms on 2 CPU cores); FSDP2's sharded parameters take the default implementation.
-    if sharded and t.master_weights and cfg.model.dtype in ("bfloat16", "float16"):
-        raise ValueError(
-            "trainer.master_weights=true is not supported with trainer.parallel=fsdp: set "
-            "trainer.master_weights=false (FSDP2 keeps its shards in model.dtype)"
-        )
     optimizer = make_optimizer(
         router_param_groups(model, controller.routers, t.lr, t.router_lr_scale),
         getattr(torch, cfg.model.dtype),
@@ -291,8 +283,8 @@ def train(
     the entry point) is written once the run is accepted, so a refused run leaves the folder as it was.
     Under torchrun every rank calls this and gets the same summary; rank 0 writes (module docstring).
     """
-    cfg.validate()
-    cfg.check_machine()
+    check_config(cfg)
+    check_machine(cfg)
     dist, device = init_distributed(cfg.trainer)
     check_world(cfg.trainer, dist.world)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))

@@ -566,14 +566,15 @@ def test_sweep_with_one_bad_cell_keeps_the_others_and_exits_non_zero(tmp_path, w
 BUILDER = """
 import sys
 import moe_rl.warmstart as ws
+import moe_rl.warmstart.build as build
 from moe_rl.models import ModelConfig
 
-acquire = ws._acquire
+acquire = build.acquire_lock
 def announced(path):  # tell the test which process holds the lock, the moment it does
     lock = acquire(path)
     print("locked", flush=True)
     return lock
-ws._acquire = announced
+build.acquire_lock = announced
 cfg = ws.WarmStartConfig(target_low=0.0, target_high=1.0, eval_size=512, cache_dir=sys.argv[1])
 r = ws.warm_start(ModelConfig(), "arithmetic", 1, cfg, seed=0, progress=False)
 print("cached" if r.cached else "built", flush=True)

@@ -25,8 +25,9 @@ import torch
 from moe_rl.config import TrainerConfig
 from moe_rl.models import ModelConfig, build_model
 from moe_rl.rollout import SamplerConfig, sample
+from moe_rl.startup import check_world
 from moe_rl.trainer.checkpoint import read_checkpoint
-from moe_rl.trainer.distributed import check_world, minibatch_rows
+from moe_rl.trainer.distributed import minibatch_rows
 from moe_rl.trainer.run import train
 from tests.integration.test_train_loop import TINY, comparable, compose_config, read_metrics
 

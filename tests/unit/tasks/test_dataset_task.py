@@ -14,6 +14,7 @@ import pytest
 
 from moe_rl.models import ModelConfig, build_tokenizer
 from moe_rl.models.tokenizer import policy_tokenizer
+from moe_rl.startup import load_task
 from moe_rl.tasks import DatasetTask, TaskConfig, build_task, make_task
 from moe_rl.tasks.verifiers import exact, last_number_match, normalise
 from moe_rl.trainer.step_metrics import rollout_metrics
@@ -238,18 +239,18 @@ def test_load_task_checks_held_out_size_and_warm_start():
     the example's answers are full responses."""
     base = ["task=dataset", f"task.path={EXAMPLE}"]
     with pytest.raises(ValueError, match=r"eval\.size / eval\.expected_size: 512 held-out rows"):
-        compose_config([*base, "eval.fit_heldout=false"]).load_task()
+        load_task(compose_config([*base, "eval.fit_heldout=false"]))
     with pytest.warns(RuntimeWarning, match=r"evaluating on all 100"), \
             pytest.raises(ValueError, match=r"warmstart\.eval_size: 128 held-out rows"):
-        compose_config(base).load_task()  # eval fits its 100 held-out rows; the warm start's eval set does not
+        load_task(compose_config(base))  # eval fits its 100 held-out rows; the warm start's eval set does not
     small = [*base, "eval.expected_size=100", "warmstart.eval_size=100"]
-    task = compose_config(small).load_task()  # last_number accepts every worked answer as a response
+    task = load_task(compose_config(small))  # last_number accepts every worked answer as a response
     assert len(task.heldout_rows) == 100
     with pytest.raises(ValueError, match=r"warmstart\.enabled=true .* scores 0\.5 .* set warmstart\.enabled=false"):
-        compose_config([*small, "task.reward_fn=tests.helpers.dataset_rewards:half"]).load_task()
-    compose_config([*small, "task.reward_fn=tests.helpers.dataset_rewards:half", "warmstart.enabled=false"]).load_task()
+        load_task(compose_config([*small, "task.reward_fn=tests.helpers.dataset_rewards:half"]))
+    load_task(compose_config([*small, "task.reward_fn=tests.helpers.dataset_rewards:half", "warmstart.enabled=false"]))
     with pytest.warns(RuntimeWarning, match=r"of 900 training answers are longer than sampler\.max_new_tokens=12"):
-        compose_config([*small, "sampler.max_new_tokens=12"]).load_task()  # char tokens: answers are 11-31
+        load_task(compose_config([*small, "sampler.max_new_tokens=12"]))  # char tokens: answers are 11-31
 
 
 def test_small_dataset_is_evaluated_on_all_its_held_out_rows_with_a_note(tmp_path):
@@ -264,7 +265,7 @@ def test_small_dataset_is_evaluated_on_all_its_held_out_rows_with_a_note(tmp_pat
                           "task.verifier=exact", "warmstart.enabled=false", *TINY, "eval.size=64",
                           "eval.expected_size=512", "sampler.max_new_tokens=4", "trainer.steps=1", "logger.wandb=false"])
     with pytest.warns(RuntimeWarning, match=r"holds out 20 of .* rows, fewer than eval\.size=64 / eval\.expected_size=512: evaluating on all 20"):
-        cfg.load_task()
+        load_task(cfg)
     summary = train(cfg, tmp_path / "run")
     final = summary["final"]
     assert {"eval/accuracy", "eval/expected_accuracy", "eval/accuracy_greedy"} <= final.keys()
@@ -291,8 +292,8 @@ def test_prompt_longer_than_the_model_holds_is_refused_at_start_up_naming_the_ro
     small = ["task=dataset", f"task.path={path}", "eval.size=4", "eval.expected_size=4", "warmstart.enabled=false"]
     with pytest.raises(ValueError, match=r"2 of 200 prompts do not fit the model: row 9's prompt is 50\d\d tokens, "
                                          r"and with sampler\.max_new_tokens=32 .* more than model\.max_position_embeddings=512"):
-        compose_config(small).load_task()
-    compose_config([*small, "model.max_position_embeddings=8192"]).load_task()
+        load_task(compose_config(small))
+    load_task(compose_config([*small, "model.max_position_embeddings=8192"]))
 
 
 def test_max_prompt_tokens_refuses_or_truncates(tmp_path):
@@ -307,9 +308,9 @@ def test_max_prompt_tokens_refuses_or_truncates(tmp_path):
     small = ["task=dataset", f"task.path={path}", "eval.size=4", "eval.expected_size=4", "warmstart.enabled=false",
              "task.max_prompt_tokens=100"]
     with pytest.raises(ValueError, match=r"task.max_prompt_tokens=100: 2 of 200 prompts .* longer \(row 9: 50\d\d tokens\)"):
-        compose_config(small).load_task()
+        load_task(compose_config(small))
     with pytest.warns(RuntimeWarning, match=r"task.max_prompt_tokens=100: cut 2 of 200 prompts .* row 9, had 50\d\d"):
-        task = compose_config([*small, "task.prompt_overflow=truncate"]).load_task()
+        task = load_task(compose_config([*small, "task.prompt_overflow=truncate"]))
     tok = build_tokenizer(task.alphabet)
     assert task.prompts[9] == ("9 " * 50) and len(tok(task.prompts[7], add_special_tokens=False).input_ids) == 100
     assert task.prompts[8] == "What is 8 plus 1?"

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from moe_rl.config import EvalConfig
 from moe_rl.models import ModelConfig, build_model
 from moe_rl.rollout import SamplerConfig, sample
 from moe_rl.tasks import make_task
-from moe_rl.trainer.evaluate import EvalConfig, answer_logprobs, evaluate, initial_metrics
+from moe_rl.trainer.evaluate import answer_logprobs, evaluate, initial_metrics
 from moe_rl.warmstart import answer_ids, demonstration_batch, demonstration_loss
 
 SMALL = ModelConfig(num_layers=2)

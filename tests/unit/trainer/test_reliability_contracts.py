@@ -469,9 +469,11 @@ def test_cuda_device_without_cuda_is_refused():
     """trainer.device=cuda without CUDA fails check_machine (run before any compute) naming trainer.device."""
     from tests.integration.test_train_loop import compose_config
 
+    from moe_rl.startup import check_machine
+
     cfg = compose_config(["trainer.device=cuda"])  # composes and validates: a config for a GPU machine
     with pytest.raises(ValueError, match=r"trainer\.device='cuda': CUDA is not available"):
-        cfg.check_machine()
+        check_machine(cfg)
 
 
 def test_infinite_ratio_max_is_allowed():

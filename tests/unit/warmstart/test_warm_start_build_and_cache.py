@@ -14,6 +14,8 @@ from filelock import FileLock
 from transformers import AutoTokenizer
 
 import moe_rl.warmstart as ws_mod
+import moe_rl.warmstart.build as build_mod
+import moe_rl.warmstart.search as search_mod
 from moe_rl.models import ModelConfig, build_model
 from moe_rl.rollout import SamplerConfig, sample
 from moe_rl.tasks import make_task
@@ -168,7 +170,7 @@ def _scripted_accuracy(accuracies: list[float], seen: list[torch.Tensor]):
 def test_overshoot_rolls_back_to_last_checkpoint_below_band(tmp_path, monkeypatch):
     """After an overshoot, training resumes from the last below-band eval with half the lr and evaluates every step."""
     seen: list[torch.Tensor] = []
-    monkeypatch.setattr(ws_mod, "heldout_accuracy", _scripted_accuracy([0.0, 0.1, 0.9, 0.1, 0.3], seen))
+    monkeypatch.setattr(search_mod, "heldout_accuracy", _scripted_accuracy([0.0, 0.1, 0.9, 0.1, 0.3], seen))
     cfg = WarmStartConfig(
         max_steps=20, batch_size=4, eval_every=2, lr=1e-3, eval_size=4, cache_dir=str(tmp_path)
     )
@@ -184,7 +186,7 @@ def test_overshoot_rolls_back_to_last_checkpoint_below_band(tmp_path, monkeypatc
 def test_budget_spent_above_band_returns_closest_overshoot_with_warning(tmp_path, monkeypatch):
     """If every try overshoots until max_steps, the overshot model closest to the band is saved, with a warning."""
     seen: list[torch.Tensor] = []
-    monkeypatch.setattr(ws_mod, "heldout_accuracy", _scripted_accuracy([0.0, 0.7, 0.9, 0.8], seen))
+    monkeypatch.setattr(search_mod, "heldout_accuracy", _scripted_accuracy([0.0, 0.7, 0.9, 0.8], seen))
     cfg = WarmStartConfig(max_steps=4, batch_size=4, eval_every=2, eval_size=4, cache_dir=str(tmp_path))
     with pytest.warns(RuntimeWarning, match="overshot"):
         result = warm_start(TINY, "arithmetic", 1, cfg, seed=0, progress=False)
@@ -249,13 +251,13 @@ def weights_of(path: str) -> dict[str, torch.Tensor]:
 def test_same_key_builds_same_weights_whatever_the_thread_count(tmp_path, monkeypatch):
     """A key built under torch threads=1 and threads=2 trains on BUILD_THREADS both times, to bitwise-equal weights."""
     threads, paths, seen = torch.get_num_threads(), [], []
-    train = ws_mod._train
+    train = build_mod.band_search
 
     def recording_train(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return train(*args, **kwargs)
 
-    monkeypatch.setattr(ws_mod, "_train", recording_train)
+    monkeypatch.setattr(build_mod, "band_search", recording_train)
     try:
         for n in (1, 2):
             torch.set_num_threads(n)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import moe_rl.pretrain as pretrain_mod
+import moe_rl.warmstart.pretrain as pretrain_mod
 from moe_rl.models import ModelConfig
 from moe_rl.tasks import TASKS, BroadTask
 from moe_rl.warmstart import WarmStartConfig, cache_key, warm_start

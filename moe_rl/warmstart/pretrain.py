@@ -24,14 +24,17 @@ independent of PYTHONHASHSEED), a stream separate from the band search's; nothin
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.tasks import TASKS, BroadTask
-from moe_rl.warmstart import WarmStartConfig, demonstration_batch, demonstration_loss
+from moe_rl.warmstart.config import WarmStartConfig
+from moe_rl.warmstart.demos import demonstration_batch, demonstration_loss
+
+if TYPE_CHECKING:  # annotations only: importing PreTrainedModel loads transformers' model code
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def pretrain_stream(seed: int) -> random.Random:
