@@ -59,12 +59,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from analysis.clusters import CLUSTERED, cluster_contrast, detect_design, unit, unit_key  # noqa: E402
+from analysis.compare import last_value, run_row  # noqa: E402
 from analysis.figures import BAND, _colors, _finish, finite_mean  # noqa: E402
 from analysis.load import Run, group_label, varying_fields  # noqa: E402
 from analysis.outcomes import auc, format_regression, has_expected, regression_test  # noqa: E402
 from analysis.pairs import collapsed, final_eval, outcome_difference  # noqa: E402
 from analysis.stats import holm, mean_ci, paired_t, rate_difference, slope_over_seeds, verdict, wilson  # noqa: E402
-from moe_rl.trainer.compare import last_value, run_row  # noqa: E402
 
 FIELD = "routing.drift"
 DOSE_FIELDS = {"routing.logit_noise": "σ", "routing.drift": "p"}

@@ -29,8 +29,7 @@ import numpy as np
 from analysis.drift import _short, plain
 from analysis.load import Run
 from analysis.pairs import final_eval
-from analysis.stats import Difference, mean_ci, paired_t, verdict
-from moe_rl.seed_stats import MeanCI
+from analysis.stats import Difference, MeanCI, mean_ci, paired_t, verdict
 
 ENGINES = ("hf", "vllm")
 OUTCOMES = {

@@ -2,7 +2,7 @@
 
 Summary table, one row per group (base label + varying config fields), each cell the mean over
 seeds ± the half-width of its 95% Student t confidence interval (analysis.stats.mean_ci) of the
-per-run value that `moe-rl-compare` computes (moe_rl.trainer.compare.run_row):
+per-run value that `moe-rl-compare` computes (analysis.compare.run_row):
 
 | column | per run, from metrics.jsonl |
 |---|---|
@@ -54,13 +54,13 @@ from typing import Any
 
 from analysis import critical, drift, engines, offpolicy, steplr
 from analysis.clusters import detect_design
+from analysis.compare import COLUMNS, format_cell, run_row, shown_columns
 from analysis.figures import BAND, finite_mean, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.outcomes import CAPTION as outcomes_caption
 from analysis.outcomes import format_outcomes, has_expected, outcomes_table, plot_expected_accuracy
 from analysis.pairs import format_pairs, pairwise
 from analysis.stats import CI_NOTE, mean_ci, wilson
-from moe_rl.trainer.compare import COLUMNS, format_cell, run_row, shown_columns
 
 
 def summary_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:

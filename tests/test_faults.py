@@ -26,9 +26,9 @@ import pytest
 import torch
 from test_train import TINY, compose_config
 
+from analysis.compare import comparison
 from moe_rl.errors import RunError, one_line
 from moe_rl.trainer.checkpoint import CHECKPOINT, CORRUPT, MAGIC, PREVIOUS, TMP, CheckpointError, read_checkpoint
-from moe_rl.trainer.compare import comparison
 from moe_rl.trainer.run import train
 from moe_rl.warmstart import WarmStartConfig, warm_start_dir
 

@@ -9,6 +9,7 @@ from scipy import stats as sps
 from test_analysis import run_config, run_metrics, write_run
 
 from analysis.cli import parse_args
+from analysis.compare import comparison, format_table
 from analysis.figures import aggregate
 from analysis.load import Run, group_runs, load_local
 from analysis.outcomes import auc, expected_curve, has_expected, regression_time
@@ -27,7 +28,6 @@ from analysis.stats import (
     verdict,
     welch,
 )
-from moe_rl.trainer.compare import comparison, format_table
 
 T_2 = 4.302652729749464  # t_{2, 0.975}, from printed tables
 T_4 = 2.7764451051977987  # t_{4, 0.975}
