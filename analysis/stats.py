@@ -221,6 +221,20 @@ def verdict(d: Difference, alpha: float = 0.05, min_seeds: int = MIN_SEEDS) -> s
     return f"not distinguishable from noise at {pct} ({d.test}, p = {d.p:.3g})"
 
 
+def short_verdict(sentence: str) -> str:
+    """A `verdict` without its parenthesis (for a table that shows the CI and p beside it)."""
+    return sentence.split(" (", 1)[0]
+
+
+def format_difference(d: Difference) -> str:
+    """A difference as a table cell: "+0.012 [-0.003, +0.027], p = 0.11" (interval and p where finite)."""
+    if not math.isfinite(d.diff):
+        return "n/a"
+    ci = f" [{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
+    p = f", p = {d.p:.2g}" if math.isfinite(d.p) else ""
+    return f"{d.diff:+.3f}{ci}{p}"
+
+
 def holm(pvalues: Sequence[float]) -> list[float]:
     """Holm's (1979) step-down adjusted p-values, in the input order: with the m finite p sorted ascending,
     p_(1) <= ... <= p_(m), adj_(i) = min(1, max_{j <= i} (m - j + 1) p_(j)). A family is rejected at level α
