@@ -7,6 +7,15 @@ the tables and analysis.figures the PNGs. Every aggregate over seeds carries a 9
 interval (analysis.stats), and analysis.pairs tests differences between objectives.
 """
 
-from analysis.load import Run, group_runs, load_local, load_wandb, varying_fields
 
 __all__ = ["Run", "group_runs", "load_local", "load_wandb", "varying_fields"]
+
+
+def __getattr__(name: str):
+    # Imported on first use, not with the package: `python -m analysis.compare` (moe-rl-compare) must not
+    # find analysis.compare already imported through analysis.load when it starts.
+    if name in __all__:
+        from analysis import load
+
+        return getattr(load, name)
+    raise AttributeError(f"module 'analysis' has no attribute {name!r}")

@@ -38,6 +38,7 @@ from scipy import stats as sps
 
 from analysis.load import Run, group_label
 from analysis.outcomes import regression_time
+from analysis.sections import Section, Sweep, doc_intro
 from analysis.stats import LEVEL, wilson
 
 LR = "trainer.lr"
@@ -261,12 +262,7 @@ CAPTION = (
 
 def plot_critical(result: dict[str, Any], out_dir: Path) -> Path:
     """The regression rate per cell against lr (log x) with the fitted curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from analysis.figures import _finish
+    from analysis.plotting import finish, plt  # here: a report without this figure never imports matplotlib
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     cmap = plt.get_cmap("tab10")
@@ -284,4 +280,25 @@ def plot_critical(result: dict[str, Any], out_dir: Path) -> Path:
         ax.axvline(10 ** row["lr_star"].log10, color=color, linestyle=":", linewidth=1)
     ax.set(xscale="log", xlabel="learning rate (log scale)", ylabel="seeds with sustained regression", ylim=(-0.03, 1.03))
     ax.grid(alpha=0.3)
-    return _finish(fig, [ax], out_dir / "critical_lr.png", "Critical step size (Firth logistic fit, common slope)")
+    return finish(fig, [ax], out_dir / "critical_lr.png", "Critical step size (Firth logistic fit, common slope)")
+
+
+def critical_section(sweep: Sweep) -> tuple[dict[str, Any], str | None] | None:
+    """critical_lr over the sweep, with the dose field it adjusts for; None when it has nothing to fit."""
+    from analysis.drift import dose_field  # here: analysis.drift imports the figures, this module does not
+
+    field = dose_field(sweep.fields, sweep.runs)
+    result = critical_lr(sweep.runs, sweep.fields, field)
+    return (result, field) if result else None
+
+
+SECTION = Section(
+    name="critical_lr",
+    heading="Critical step size",
+    intro=doc_intro(__doc__),
+    file="critical_lr.md",
+    compute=critical_section,
+    markdown=lambda r: format_critical(*r),
+    json=lambda r: {"critical_lr": critical_json(r[0])},
+    figures=lambda r, out_dir: {"critical_lr": (plot_critical(r[0], out_dir), CAPTION)},
+)

@@ -52,19 +52,27 @@ import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from analysis.clusters import CLUSTERED, cluster_contrast, detect_design, unit, unit_key  # noqa: E402
-from analysis.figures import BAND, _colors, _finish, finite_mean  # noqa: E402
-from analysis.load import Run, group_label, varying_fields  # noqa: E402
-from analysis.outcomes import auc, format_regression, has_expected, regression_test  # noqa: E402
-from analysis.pairs import collapsed, final_eval, outcome_difference  # noqa: E402
-from analysis.stats import holm, mean_ci, paired_t, rate_difference, slope_over_seeds, verdict, wilson  # noqa: E402
-from moe_rl.trainer.compare import last_value, run_row  # noqa: E402
+from analysis.clusters import CLUSTERED, cluster_contrast, detect_design, unit, unit_key
+from analysis.compare import last_value, run_row
+from analysis.figures import BAND, finite_mean
+from analysis.load import Run, group_label, varying_fields
+from analysis.outcomes import auc, format_regression, has_expected, regression_test
+from analysis.pairs import collapsed, final_eval, outcome_difference
+from analysis.plotting import finish, group_colors, plt
+from analysis.sections import Section, Sweep, doc_intro
+from analysis.stats import (
+    format_difference,
+    holm,
+    mean_ci,
+    paired_t,
+    rate_difference,
+    short_verdict,
+    slope_over_seeds,
+    verdict,
+    wilson,
+)
 
 FIELD = "routing.drift"
 DOSE_FIELDS = {"routing.logit_noise": "σ", "routing.drift": "p"}
@@ -247,7 +255,7 @@ def format_trend(trend: dict[str, dict[str, dict[str, Any]]]) -> str:
         for name, t in by_outcome.items():
             d = t["slope"]
             ci = f"[{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
-            lines.append(f"| {arm} | {name} | {d.n_a} | {d.diff:+.3f} {ci} | {d.p:.2g} | {_short(verdict(d))} |")
+            lines.append(f"| {arm} | {name} | {d.n_a} | {d.diff:+.3f} {ci} | {d.p:.2g} | {short_verdict(verdict(d))} |")
             w = t.get("over_warm_starts")
             if w is not None:
                 wci = f"[{w['lo']:+.3f}, {w['hi']:+.3f}]" if math.isfinite(w["lo"]) else ""
@@ -291,26 +299,21 @@ def format_trend_differences(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         ci = f"[{r['lo']:+.4f}, {r['hi']:+.4f}]" if math.isfinite(r["lo"]) else ""
         lines.append(f"| {r['a']} | {r['b']} | {r['outcome']} | {r['n_a']} | {r['diff']:+.4f} {ci} | {r['p']:.2g} "
-                     f"| {r['p_holm']:.2g} | {_short(r['verdict'])} |")
+                     f"| {r['p_holm']:.2g} | {short_verdict(r['verdict'])} |")
     return "\n".join(lines)
 
 
 def _versus(a: list[Run], b: list[Run], permutations: int) -> dict[str, Any]:
     acc = outcome_difference(a, b)
     rate = rate_difference([collapsed(r) for r in a], [collapsed(r) for r in b], permutations)
-    out = {"acc": acc, "acc verdict": _short(verdict(acc)), "rate": rate, "rate verdict": _short(verdict(rate)),
+    out = {"acc": acc, "acc verdict": short_verdict(verdict(acc)), "rate": rate, "rate verdict": short_verdict(verdict(rate)),
            "auc": None, "auc verdict": None, "regression": None}  # fmt: skip
     if has_expected(a + b):
         one = _one_per_seed(b)
         out["auc"] = outcome_difference(a, one, auc)
-        out["auc verdict"] = _short(verdict(out["auc"]))
+        out["auc verdict"] = short_verdict(verdict(out["auc"]))
         out["regression"] = regression_test(a, one)
     return out
-
-
-def _short(sentence: str) -> str:
-    """The verdict without its parenthesis (the table shows the CI and p beside it)."""
-    return sentence.split(" (", 1)[0]
 
 
 def plain(v: Any) -> Any:
@@ -323,14 +326,6 @@ def plain(v: Any) -> Any:
 def dose_json(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The table as plain JSON values (each mean with its CI half-width and n, each difference whole)."""
     return [plain(row) for row in table]
-
-
-def _fmt_diff(d) -> str:
-    if not math.isfinite(d.diff):
-        return "n/a"
-    ci = f" [{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
-    p = f", p = {d.p:.2g}" if math.isfinite(d.p) else ""
-    return f"{d.diff:+.3f}{ci}{p}"
 
 
 def _dose_name(table: list[dict[str, Any]]) -> str:
@@ -386,10 +381,10 @@ def format_dose(table: list[dict[str, Any]]) -> str:
         auc_cells = ""
         if expected:
             auc_cells = ("n/a | | | " if v["auc"] is None else
-                         f"{_fmt_diff(v['auc'])} | {v['auc verdict']} | {format_regression(v['regression'])} | ")
+                         f"{format_difference(v['auc'])} | {v['auc verdict']} | {format_regression(v['regression'])} | ")
         lines.append(
-            f"| {r['arm']} | {r['dose']:g} | {auc_cells}{_fmt_diff(v['acc'])} | {v['acc verdict']} "
-            f"| {_fmt_diff(v['rate'])} | {v['rate verdict']} |"
+            f"| {r['arm']} | {r['dose']:g} | {auc_cells}{format_difference(v['acc'])} | {v['acc verdict']} "
+            f"| {format_difference(v['rate'])} | {v['rate verdict']} |"
         )
     return "\n".join(lines)
 
@@ -409,7 +404,7 @@ def plot_phase_diagram(groups: Groups, table: list[dict[str, Any]], out_dir: Pat
     expected = any(r["expected-acc AUC"].n for r in table)
     outcome, diff_key = ("expected-acc AUC", "auc") if expected else ("final eval acc", "acc")
     x_key = "change after one update"
-    colors = _colors({r["arm"]: None for r in table})
+    colors = group_colors({r["arm"]: None for r in table})
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     xs = [r[x_key].mean for r in table if math.isfinite(r[x_key].mean) and r[x_key].mean > 0]
     x_lo, x_hi = min([0.005, *xs]) / 1.3, max([0.2, *xs]) * 1.3
@@ -458,7 +453,7 @@ def plot_phase_diagram(groups: Groups, table: list[dict[str, Any]], out_dir: Pat
     for p, x in doses.items():  # each injected dose at the mean change its arms measured
         axes[0].annotate(f"{symbol}={p:g}", (float(np.mean(x)), 1), xytext=(0, -10), textcoords="offset points",
                          xycoords=("data", "axes fraction"), fontsize="x-small", color="grey", ha="center")
-    return _finish(fig, axes, out_dir / "phase_diagram.png",
+    return finish(fig, axes, out_dir / "phase_diagram.png",
                    f"Dose-response, {_dose_name(table)} (bands: outcome {BAND}; collapse rate Wilson 95%)")
 
 
@@ -468,6 +463,47 @@ def _band(rows: list[dict[str, Any]], stats) -> np.ndarray:
     missing = ~np.isfinite(out[:, 1])
     out[missing, 1:] = out[missing, :1]
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Dose:
+    """The dose section's result: the table, the dose trend and the difference of slopes, with the groups
+    the phase diagram draws."""
+
+    groups: Groups
+    table: list[dict[str, Any]]
+    trend: dict[str, dict[str, dict[str, Any]]]
+    slopes: list[dict[str, Any]]
+
+
+def dose(sweep: Sweep) -> Dose:
+    """The dose table (against the replay arm), its trend over doses and the trends' paired differences."""
+    field = dose_field(sweep.fields, sweep.runs)
+    trend = dose_trend(sweep.groups, field)
+    return Dose(sweep.groups, dose_table(sweep.groups, sweep.permutations, field), trend,
+                trend_differences(trend_json(trend)))  # fmt: skip
+
+
+def format_dose_section(d: Dose) -> str:
+    """dose_table.md: the dose table, the dose trend and (where there are two arms) the slopes' differences."""
+    return (format_dose(d.table) + "\n\nDose trend:\n\n" + format_trend(d.trend)
+            + ("\n\nDifference of slopes (paired by seed):\n\n" + format_trend_differences(d.slopes)
+               if d.slopes else ""))  # fmt: skip
+
+
+SECTION = Section(
+    name="dose",
+    heading="Dose-response",
+    intro=doc_intro(__doc__),
+    file="dose_table.md",
+    applies=lambda sweep: dose_field(sweep.fields, sweep.runs) is not None,
+    compute=dose,
+    markdown=format_dose_section,
+    body=lambda d: format_dose_section(d) if d.table else "",
+    json=lambda d: {"dose": dose_json(d.table), "dose_trend": trend_json(d.trend), "dose_trend_differences": d.slopes},
+    figures=lambda d, out_dir: {"phase_diagram": (plot_phase_diagram(d.groups, d.table, out_dir), CAPTION)},
+    lead=True,
+)
 
 
 def main(argv: list[str] | None = None) -> None:

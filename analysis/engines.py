@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from analysis.drift import _short, plain
+from analysis.drift import plain
 from analysis.load import Run
 from analysis.pairs import final_eval
-from analysis.stats import Difference, mean_ci, paired_t, verdict
-from moe_rl.seed_stats import MeanCI
+from analysis.sections import Section, doc_intro
+from analysis.stats import Difference, MeanCI, mean_ci, paired_t, short_verdict, verdict
 
 ENGINES = ("hf", "vllm")
 OUTCOMES = {
@@ -107,7 +107,7 @@ def format_engines(table: list[dict[str, Any]]) -> str:
             o = row["outcomes"][name]
             cells += [_cell(o["hf"]["mean_ci"]), _cell(o["vllm"]["mean_ci"]), _diff(o["diff"])]
             if o["diff"] is not None and name in ("mismatch", "final eval acc"):
-                notes.append(f"- {row['arm']}, {row['precision']}, {name}: {_short(verdict(o['diff']))}")
+                notes.append(f"- {row['arm']}, {row['precision']}, {name}: {short_verdict(verdict(o['diff']))}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + [""] + notes)
 
@@ -115,3 +115,15 @@ def format_engines(table: list[dict[str, Any]]) -> str:
 def engines_json(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The table with every number as plain JSON (differences as dicts)."""
     return [plain(row) for row in table]
+
+
+SECTION = Section(
+    name="engines",
+    heading="vLLM engine against hf engine",
+    intro=doc_intro(__doc__),
+    file="engines.md",
+    applies=lambda sweep: applies(sweep.runs),
+    compute=lambda sweep: engine_table(sweep.runs) or None,
+    markdown=format_engines,
+    json=lambda table: {"engines": engines_json(table)},
+)

@@ -1,4 +1,5 @@
-"""PNG figures after the GSPO paper's (Agg backend; one color per group, the same in every figure).
+"""PNG figures after the GSPO paper's (analysis.plotting: Agg backend, compact palette PNGs; one color per
+group, the same in every figure).
 
 Curves are the mean over seeds; the shaded band (and the bars' error bars) is the 95% confidence
 interval of that mean, Student t over the seeds at each step (BAND; analysis.stats.mean_ci). Where
@@ -14,7 +15,8 @@ Held-out eval (eval_accuracy.png, only when some run logged `eval/accuracy`): sa
 accuracy at each eval step; steps without eval rows are skipped, not drawn as gaps.
 
 Length within one policy (length_variance.png, only when runs logged `length/<lo>-<hi>/*` with at
-least two populated bins): per group, each response-length bin's token-ratio, within-sequence and
+least two populated bins): per group (one panel each up to analysis.plotting.MAX_GROUP_PANELS groups;
+above, one panel per variance with a line per group), each response-length bin's token-ratio, within-sequence and
 sequence-ratio variance over the off-policy mini-batches; per seed the mean over steps (steps where the
 bin is empty left out), then the mean over seeds with its 95% CI (analysis.stats.mean_ci), log y.
 
@@ -31,15 +33,12 @@ import math
 import re
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from analysis.load import Run  # noqa: E402
-from analysis.stats import ema, mean_ci  # noqa: E402
+from analysis.load import Run
+from analysis.plotting import MAX_GROUP_PANELS, band_plot, finish, group_colors, plt
+from analysis.stats import ema, mean_ci
 
 BAND = "95% CI over seeds (Student t)"
 Groups = dict[str, list[Run]]
@@ -106,22 +105,6 @@ def cumulative_wall_seconds(run: Run) -> np.ndarray:
     return np.cumsum(np.nan_to_num(run.series("time/step_s")))
 
 
-def _colors(groups: Groups) -> dict[str, tuple]:
-    cmap = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
-    return {label: cmap(i % cmap.N) for i, label in enumerate(groups)}
-
-
-def _band_plot(ax, x, mean, lo, hi, color, label, raw=None) -> None:
-    """Mean line with its CI band (error bars for a single point); `raw`: the unsmoothed mean, drawn faint."""
-    if raw is not None:
-        ax.plot(x, raw, color=color, alpha=0.25, linewidth=1)
-    ax.plot(x, mean, color=color, label=label, marker="." if len(x) < 30 else None)
-    if len(x) > 1:
-        ax.fill_between(x, lo, hi, color=color, alpha=0.2, linewidth=0)
-    else:
-        ax.errorbar(x, mean, yerr=[mean - lo, hi - mean], color=color, capsize=3)
-
-
 def _log_y(ax, values) -> str:
     """Log y axis; symlog (linear near 0) when some values are 0. Returns a note for the axis label."""
     v = np.asarray(values, dtype=float)
@@ -137,36 +120,11 @@ def _log_y(ax, values) -> str:
     return f"\n(symlog: linear below {thresh:.0e})"
 
 
-def _finish(fig, axes, path: Path, title: str) -> Path:
-    """Title, layout and one legend below the figure holding every labelled artist of every panel (each
-    label once, first panel first); save and close."""
-    by_label = {}
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            by_label.setdefault(label, handle)
-    handles, labels = list(by_label.values()), list(by_label)
-    fig.suptitle(title)
-    fig.tight_layout()
-    if handles:
-        fig.legend(
-            handles,
-            labels,
-            loc="upper center",
-            bbox_to_anchor=(0.5, 0.0),
-            ncol=min(3, len(labels)),
-            fontsize="small",
-            frameon=False,
-        )
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
 def _smoothed_band(ax, x, runs: list[Run], values, smooth: float, color, label) -> None:
     """The (smoothed) mean of `values` over seeds with its CI band against x; the raw mean faint when smoothed."""
     _, mean, lo, hi = aggregate(runs, values, smooth)
     raw = aggregate(runs, values)[1] if smooth else None
-    _band_plot(ax, x, mean, lo, hi, color, label, raw)
+    band_plot(ax, x, mean, lo, hi, color, label, raw)
 
 
 def _smooth_note(smooth: float) -> str:
@@ -176,7 +134,7 @@ def _smooth_note(smooth: float) -> str:
 def plot_reward(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Path:
     """Mean reward vs RL step."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, color in _colors(groups).items():
+    for label, color in group_colors(groups).items():
         steps = aggregate(groups[label], lambda r: r.series("rollout/reward/mean"))[0]
         _smoothed_band(
             ax, steps, groups[label], lambda r: r.series("rollout/reward/mean"), smooth, color, label
@@ -185,7 +143,7 @@ def plot_reward(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Path:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     title = f"Training reward (band: {BAND}{_smooth_note(smooth)})"
-    return _finish(fig, [ax], out_dir / "reward_vs_step.png", title)
+    return finish(fig, [ax], out_dir / "reward_vs_step.png", title)
 
 
 def plot_eval_accuracy(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Path | None:
@@ -194,7 +152,7 @@ def plot_eval_accuracy(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Pa
     if not any(k in r.keys() for runs in groups.values() for r in runs for k in keys):
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for label, color in _colors(groups).items():
+    for label, color in group_colors(groups).items():
         for ax, key in zip(axes, keys, strict=True):
             # Only eval rows: smoothing then runs over eval steps, not over the nan rows between them.
             evals = [
@@ -210,7 +168,7 @@ def plot_eval_accuracy(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Pa
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     title = f"Held-out eval accuracy (band: {BAND}{_smooth_note(smooth)})"
-    return _finish(fig, axes, out_dir / "eval_accuracy.png", title)
+    return finish(fig, axes, out_dir / "eval_accuracy.png", title)
 
 
 def plot_reward_compute(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Path:
@@ -221,7 +179,7 @@ def plot_reward_compute(groups: Groups, out_dir: Path, smooth: float = 0.0) -> P
         "cumulative wall time (s, sum of time/step_s)": cumulative_wall_seconds,
     }
     for ax, (xlabel, xfn) in zip(axes, xs.items(), strict=True):
-        for label, color in _colors(groups).items():
+        for label, color in group_colors(groups).items():
             _, x, _, _ = aggregate(groups[label], xfn)  # mean over seeds of the cumulative x at each step
             _smoothed_band(
                 ax, x, groups[label], lambda r: r.series("rollout/reward/mean"), smooth, color, label
@@ -230,7 +188,7 @@ def plot_reward_compute(groups: Groups, out_dir: Path, smooth: float = 0.0) -> P
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("rollout/reward/mean")
     title = f"Reward vs training compute (band: {BAND}{_smooth_note(smooth)})"
-    return _finish(fig, axes, out_dir / "reward_vs_compute.png", title)
+    return finish(fig, axes, out_dir / "reward_vs_compute.png", title)
 
 
 def _per_run_means(groups: Groups, key: str) -> dict[str, np.ndarray]:
@@ -240,7 +198,7 @@ def _per_run_means(groups: Groups, key: str) -> dict[str, np.ndarray]:
 def plot_clip_fraction(groups: Groups, out_dir: Path) -> Path:
     """Bars: mean over seeds of each run's mean clip/token_frac, error bars its 95% CI (cut at 0), log y."""
     per_run = _per_run_means(groups, "clip/token_frac")
-    colors = _colors(groups)
+    colors = group_colors(groups)
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(groups) + 2), 4.5))
     x = np.arange(len(groups))
     stats = [_ci_stats(v) if np.isfinite(v).any() else (np.nan,) * 3 for v in per_run.values()]
@@ -262,7 +220,7 @@ def plot_clip_fraction(groups: Groups, out_dir: Path) -> Path:
     ax.set_xticks(x, list(groups), rotation=25, ha="right", fontsize="small")
     ax.set_ylabel("fraction of clipped tokens\n(clip/token_frac, mean over steps)" + note)
     ax.grid(alpha=0.3, axis="y")
-    return _finish(fig, [ax], out_dir / "clip_fraction.png", f"Clipped-token fraction (error bars: {BAND})")
+    return finish(fig, [ax], out_dir / "clip_fraction.png", f"Clipped-token fraction (error bars: {BAND})")
 
 
 def plot_clip_vs_kl(groups: Groups, out_dir: Path) -> Path | None:
@@ -271,7 +229,7 @@ def plot_clip_vs_kl(groups: Groups, out_dir: Path) -> Path | None:
     kl, clip = _per_run_means(groups, "policy/approx_kl"), _per_run_means(groups, "clip/token_frac")
     if not any(np.isfinite(v).any() for v in kl.values()):
         return None
-    colors = _colors(groups)
+    colors = group_colors(groups)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label in groups:
         x, y = kl[label], clip[label]
@@ -283,7 +241,7 @@ def plot_clip_vs_kl(groups: Groups, out_dir: Path) -> Path | None:
     ax.set_xlabel("per-update KL(π_old ‖ π_θ) (policy/approx_kl, k3; mean over steps)")
     ax.set_ylabel("fraction of clipped tokens (clip/token_frac)" + note)
     ax.grid(alpha=0.3, which="both")
-    return _finish(fig, [ax], out_dir / "clip_vs_kl.png", "Clipped-token fraction against per-update KL")
+    return finish(fig, [ax], out_dir / "clip_vs_kl.png", "Clipped-token fraction against per-update KL")
 
 
 def _layers(runs: list[Run]) -> list[int]:
@@ -299,7 +257,7 @@ def plot_expert_change(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Pa
         ("routing/expert_change/frac", "mean over mini-batches 2..M"),
         ("routing/expert_change/response_frac", "the same, response positions only"),
     ]
-    for label, color in _colors(groups).items():
+    for label, color in group_colors(groups).items():
         runs = groups[label]
         for ax, (key, _) in zip(axes, panels, strict=False):
             steps = aggregate(runs, lambda r, k=key: r.series(k))[0]
@@ -310,7 +268,7 @@ def plot_expert_change(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Pa
                 [[finite_mean(r.series(f"routing/expert_change/layer_{i}")) for i in layers] for r in runs]
             )
             _, mean, lo, hi = aggregate_columns(per_seed)
-            _band_plot(axes[3], np.array(layers), mean, lo, hi, color, label)
+            band_plot(axes[3], np.array(layers), mean, lo, hi, color, label)
     for ax, (key, what) in zip(axes, panels, strict=False):
         ax.set(xlabel="RL step", ylabel="fraction of top-k experts changed", title=f"{key}\n{what}")
     axes[3].set(
@@ -328,7 +286,7 @@ def plot_expert_change(groups: Groups, out_dir: Path, smooth: float = 0.0) -> Pa
     for ax in axes:
         ax.title.set_fontsize("medium")
         ax.grid(alpha=0.3)
-    return _finish(
+    return finish(
         fig,
         axes,
         out_dir / "expert_change.png",
@@ -351,7 +309,7 @@ def plot_ratio_variance(groups: Groups, out_dir: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     keys = ["ratio/token/var", "ratio/token/within_seq_var"]
     all_y: dict[str, list[np.ndarray]] = {k: [] for k in keys}
-    for label, color in _colors(groups).items():
+    for label, color in group_colors(groups).items():
         x = np.concatenate([r.series("rollout/response_len/mean") for r in groups[label]])
         for ax, key in zip(axes, keys, strict=True):
             y = np.concatenate([r.series(key) for r in groups[label]])
@@ -369,7 +327,7 @@ def plot_ratio_variance(groups: Groups, out_dir: Path) -> Path:
     title = (
         "Token importance-ratio variance vs response length (dots: steps of all seeds; lines: binned means)"
     )
-    return _finish(fig, axes, out_dir / "ratio_variance.png", title)
+    return finish(fig, axes, out_dir / "ratio_variance.png", title)
 
 
 def length_bins_logged(runs: list[Run]) -> list[str]:
@@ -393,18 +351,17 @@ def length_variance_stats(groups: Groups) -> dict[str, dict[str, dict[str, tuple
 
 
 def plot_length_variance(groups: Groups, out_dir: Path) -> Path | None:
-    """Per group (one panel each, shared log y): token-ratio, within-sequence and sequence-ratio variance
-    by response-length bin within the same policy, mean over steps then over seeds with 95% CI error bars.
-    None unless some run logged at least two length bins with finite values."""
+    """Token-ratio, within-sequence and sequence-ratio variance by response-length bin within the same
+    policy, mean over steps then over seeds with 95% CI error bars, shared log y: one panel per group up
+    to MAX_GROUP_PANELS groups (ticks give each group's sequences per step); above, one panel per variance
+    with a line per group, so the figure does not grow with the sweep. None unless some run logged at
+    least two length bins with finite values."""
     stats = length_variance_stats(groups)
     bins = length_bins_logged([r for runs in groups.values() for r in runs])
     populated = {b for g in stats.values() for b in bins if np.isfinite(g["token_var"][b][0])}
     if len(populated) < 2:
         return None
-    colors = _colors(groups)
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups) + 1, 4.5), sharey=True, squeeze=False)
-    axes = axes[0]
-    x = np.arange(len(bins))
+    colors = group_colors(groups)
     series = {(label, key): np.array([stats[label][key][b] for b in bins]).reshape(-1, 3).T
               for label in groups for key in LENGTH_VARIANCES}  # fmt: skip
     # Log y over the means and upper ends; a lower end at or below 0 (a t interval over few seeds) is
@@ -412,25 +369,40 @@ def plot_length_variance(groups: Groups, out_dir: Path) -> Path | None:
     shown = np.concatenate([np.concatenate([m, lo[lo > 0], hi]) for m, lo, hi in series.values()])
     shown = shown[np.isfinite(shown) & (shown > 0)]
     floor = shown.min() / 2 if shown.size else 1e-6
-    for ax, (label, color) in zip(axes, colors.items(), strict=True):
-        for key, (name, style, marker) in LENGTH_VARIANCES.items():
-            mean, lo, hi = series[label, key]
-            lo = np.maximum(lo, floor)
-            # A mean at or below the floor (a variance of 0: one sequence in the bin) gets no bar below it.
-            yerr = np.nan_to_num(np.clip([mean - lo, hi - mean], 0, None))
-            ax.errorbar(x, mean, yerr=yerr, color=color, linestyle=style, marker=marker,
-                        capsize=3, label=name)  # fmt: skip
-        seqs = [stats[label]["seqs"][b][0] for b in bins]
-        ticks = [f"{b}\n({n:.0f}/step)" if np.isfinite(n) else f"{b}\n(none)" for b, n in zip(bins, seqs, strict=True)]
+    x = np.arange(len(bins))
+
+    def draw(ax, label, key, legend: str) -> None:
+        name, style, marker = LENGTH_VARIANCES[key]
+        mean, lo, hi = series[label, key]
+        lo = np.maximum(lo, floor)
+        # A mean at or below the floor (a variance of 0: one sequence in the bin) gets no bar below it.
+        yerr = np.nan_to_num(np.clip([mean - lo, hi - mean], 0, None))
+        ax.errorbar(x, mean, yerr=yerr, color=colors[label], linestyle=style, marker=marker, capsize=3, label=legend)
+
+    per_group = len(groups) <= MAX_GROUP_PANELS
+    panels = list(groups) if per_group else list(LENGTH_VARIANCES)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1, 4.5), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, panel in zip(axes, panels, strict=True):
+        if per_group:
+            for key, (name, _, _) in LENGTH_VARIANCES.items():
+                draw(ax, panel, key, name)
+            seqs = [stats[panel]["seqs"][b][0] for b in bins]
+            ticks = [f"{b}\n({n:.0f}/step)" if np.isfinite(n) else f"{b}\n(none)" for b, n in zip(bins, seqs, strict=True)]
+            ax.set(title=panel, xlabel="response length (tokens, EOS included)\n(sequences per step)")
+        else:
+            for label in groups:
+                draw(ax, label, panel, label)
+            ticks = bins
+            ax.set(title=LENGTH_VARIANCES[panel][0], xlabel="response length (tokens, EOS included)")
         ax.set_xticks(x, ticks, fontsize="small")
-        ax.set(title=label, xlabel="response length (tokens, EOS included)\n(sequences per step)")
         ax.title.set_fontsize("medium")
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[0].set_ylim(bottom=floor)
     axes[0].set_ylabel("importance-ratio variance,\noff-policy mini-batches\n(error bars at the floor reach <= 0)")
     title = f"Ratio variance by response length within one policy (error bars: {BAND})"
-    return _finish(fig, list(axes), out_dir / "length_variance.png", title)
+    return finish(fig, list(axes), out_dir / "length_variance.png", title)
 
 
 FIGURES = {

@@ -26,8 +26,7 @@ import numpy as np
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from moe_rl.provenance import provenance_mismatch
-from moe_rl.trainer.compare import (
+from analysis.compare import (
     NOT_A_GROUP,
     NOT_A_GROUP_PREFIXES,
     BrokenRunError,
@@ -35,9 +34,10 @@ from moe_rl.trainer.compare import (
     set_aside,
     splits_groups,
 )
+from moe_rl.provenance import provenance_mismatch
 from moe_rl.trainer.logging import CorruptLogError, read_jsonl
 
-# Fields that never define a group (the library's list, shared with moe-rl-compare's table).
+# Fields that never define a group (analysis.compare's list, shared with moe-rl-compare's table).
 IGNORED = NOT_A_GROUP
 IGNORED_PREFIXES = NOT_A_GROUP_PREFIXES
 CLUSTER_FIELDS = frozenset({"warmstart.build_seed"})

@@ -33,19 +33,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from analysis.clusters import CLUSTERED, detect_design, unit_key  # noqa: E402
-from analysis.drift import _fmt_diff, _short, plain  # noqa: E402
-from analysis.figures import _finish, finite_mean  # noqa: E402
-from analysis.load import Run  # noqa: E402
-from analysis.outcomes import auc, has_expected  # noqa: E402
-from analysis.pairs import collapsed, outcome_difference  # noqa: E402
-from analysis.stats import mean_ci, slope_over_seeds, verdict  # noqa: E402
+from analysis.clusters import CLUSTERED, detect_design, unit_key
+from analysis.drift import plain
+from analysis.figures import finite_mean
+from analysis.load import Run
+from analysis.outcomes import auc, has_expected
+from analysis.pairs import collapsed, outcome_difference
+from analysis.plotting import finish, plt
+from analysis.sections import Section, doc_intro
+from analysis.stats import format_difference, mean_ci, short_verdict, slope_over_seeds, verdict
 
 ARMS = {"grpo (replay=off)": "off", "grpo_rr (replay=old)": "R2", "grpo_r3 (replay=rollout)": "R3",
         "grpo_tis (replay=off)": "TIS"}  # fmt: skip
@@ -156,13 +154,13 @@ def format_offpolicy(table: list[dict[str, Any]], trends: dict[str, dict[str, An
     lines += ["", "| source | mini-batches | contrast | seeds | AUC difference (95% CI), p | verdict |", "|---" * 6 + "|"]
     for row in table:
         for name, c in row["contrasts"].items():
-            lines.append(f"| {row['source']} | {row['mini_batches']} | {name} | {c['diff'].n_a} | {_fmt_diff(c['diff'])} "
-                         f"| {_short(c['verdict'])} |")  # fmt: skip
+            lines.append(f"| {row['source']} | {row['mini_batches']} | {name} | {c['diff'].n_a} | {format_difference(c['diff'])} "
+                         f"| {short_verdict(c['verdict'])} |")  # fmt: skip
     lines += ["", "| source | contrast | seeds | change per doubling of mini-batches (95% CI), p | verdict |",
               "|---" * 5 + "|"]  # fmt: skip
     for src, by in trends.items():
         for name, t in by.items():
-            lines.append(f"| {src} | {name} | {t['slope'].n_a} | {_fmt_diff(t['slope'])} | {_short(t['verdict'])} |")
+            lines.append(f"| {src} | {name} | {t['slope'].n_a} | {format_difference(t['slope'])} | {short_verdict(t['verdict'])} |")
     return "\n".join(lines)
 
 
@@ -191,4 +189,18 @@ def plot_offpolicy(table: list[dict[str, Any]], out_dir: Path) -> Path:
         ax.set_title(src)
         ax.set_xlabel("mini-batches per rollout")
     axes[0][0].set_ylabel("paired Δ expected-acc AUC")
-    return _finish(fig, list(axes[0]), out_dir / "offpolicy.png", "Replay contrasts against off-policiness")
+    return finish(fig, list(axes[0]), out_dir / "offpolicy.png", "Replay contrasts against off-policiness")
+
+
+SECTION = Section(
+    name="offpolicy",
+    heading="Replay against off-policiness",
+    intro=doc_intro(__doc__),
+    file="offpolicy.md",
+    applies=lambda sweep: applies(sweep.runs),
+    compute=lambda sweep: (offpolicy_table(sweep.runs), offpolicy_trends(sweep.runs)),
+    markdown=lambda r: format_offpolicy(*r),
+    json=lambda r: {"offpolicy": offpolicy_json(*r)},
+    figures=lambda r, out_dir: {"offpolicy": (plot_offpolicy(r[0], out_dir), CAPTION)},
+    lead=True,
+)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from analysis.load import Run
+from analysis.sections import Section, Sweep
 from analysis.stats import MeanCI, logrank, mean_ci
 
 KEY = "eval/expected_accuracy"
@@ -147,24 +148,37 @@ CAPTION = (
 
 def plot_expected_accuracy(groups: dict[str, list[Run]], out_dir: Path) -> Path:
     """Mean expected-accuracy curve over seeds with its 95% t band per group, against updates done."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from analysis.figures import BAND, _band_plot, _colors, _finish, aggregate_columns
+    from analysis.figures import BAND, aggregate_columns  # here: analysis.pairs imports this module
+    from analysis.plotting import band_plot, finish, group_colors, plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, color in _colors(groups).items():
+    for label, color in group_colors(groups).items():
         curves = [dict(zip(*expected_curve(r), strict=True)) for r in groups[label]]
         x = np.array(sorted(set().union(*curves)), dtype=np.float64)
         if x.size == 0:
             continue
         values_RC = np.array([[c.get(t, np.nan) for t in x] for c in curves], dtype=np.float64)
         _, mean, lo, hi = aggregate_columns(values_RC)
-        _band_plot(ax, x, mean, lo, hi, color, label)
+        band_plot(ax, x, mean, lo, hi, color, label)
         if x[0] == 0:
             ax.axhline(REGRESSION_FRAC * mean[0], color=color, linestyle=":", linewidth=1)
     ax.set(xlabel="updates done (RL steps)", ylabel=KEY)
     ax.grid(alpha=0.3)
-    return _finish(fig, [ax], out_dir / "expected_accuracy.png", f"Expected accuracy (band: {BAND})")
+    return finish(fig, [ax], out_dir / "expected_accuracy.png", f"Expected accuracy (band: {BAND})")
+
+
+def outcomes_section(sweep: Sweep) -> tuple[dict[str, list[Run]], dict[str, dict[str, Any]]] | None:
+    """The groups (which the figure draws) and their outcomes table; None when the table is empty."""
+    table = outcomes_table(sweep.groups)
+    return (sweep.groups, table) if table else None
+
+
+SECTION = Section(
+    name="outcomes",
+    heading="Expected accuracy over training",
+    applies=lambda sweep: has_expected(sweep.runs),
+    compute=outcomes_section,
+    markdown=lambda r: format_outcomes(r[1]),
+    json=lambda r: {"outcomes": r[1]},
+    figures=lambda r, out_dir: {"expected_accuracy": (plot_expected_accuracy(r[0], out_dir), CAPTION)},
+)

@@ -28,10 +28,10 @@ import math
 from typing import Any
 
 from analysis.clusters import CLUSTERED, Design, contrast_row, detect_design, format_clusters, unit
+from analysis.compare import last_value, run_row
 from analysis.load import Run
 from analysis.outcomes import REGRESSION_FRAC, auc, format_regression, has_expected, regression_test
 from analysis.stats import MIN_SEEDS, Difference, paired_t, rate_difference, verdict, welch
-from moe_rl.trainer.compare import last_value, run_row
 
 Groups = dict[str, list[Run]]
 

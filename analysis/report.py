@@ -1,8 +1,13 @@
 """Markdown tables and the report page (report.md) that links every figure.
 
+write_report walks SECTIONS (analysis.sections.Section): each section that applies to the sweep computes
+its result once and contributes its text, its tables file, its table.json entries and its figures, in
+the registry's order. The summary, collapse, step-size and pairs sections live here; the others with
+their statistics (analysis.outcomes, drift, critical, steplr, offpolicy, engines).
+
 Summary table, one row per group (base label + varying config fields), each cell the mean over
 seeds ± the half-width of its 95% Student t confidence interval (analysis.stats.mean_ci) of the
-per-run value that `moe-rl-compare` computes (moe_rl.trainer.compare.run_row):
+per-run value that `moe-rl-compare` computes (analysis.compare.run_row):
 
 | column | per run, from metrics.jsonl |
 |---|---|
@@ -52,15 +57,14 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis import critical, drift, engines, offpolicy, steplr
+from analysis import critical, drift, engines, offpolicy, outcomes, steplr
 from analysis.clusters import detect_design
+from analysis.compare import COLUMNS, format_cell, run_row, shown_columns
 from analysis.figures import BAND, finite_mean, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
-from analysis.outcomes import CAPTION as outcomes_caption
-from analysis.outcomes import format_outcomes, has_expected, outcomes_table, plot_expected_accuracy
 from analysis.pairs import format_pairs, pairwise
+from analysis.sections import Figures, Section, Sweep
 from analysis.stats import CI_NOTE, mean_ci, wilson
-from moe_rl.trainer.compare import COLUMNS, format_cell, run_row, shown_columns
 
 
 def summary_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
@@ -196,6 +200,52 @@ def format_collapse(table: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_INTRO = (
+    "Per run: final reward = mean `rollout/reward/mean` over the last 5 steps; final eval acc = the last "
+    "logged `eval/accuracy` (held-out eval; the column is left out when no run has it); final expected acc = the "
+    "last logged `eval/expected_accuracy` (likewise); the other columns "
+    "are means over steps of `clip/token_frac`, `ratio/token/var`, `routing/expert_change/response_frac`; collapse "
+    "events = `collapse/events` at the last step. Full precision in [table.json](table.json)."
+)
+STEP_INTRO = (
+    "Per run, the mean over steps of `routing/expert_change/after_one_update` "
+    "(mini-batch 2 against the old policy: the paper's per-update quantity), `routing/margin/predicted_change` "
+    "(what the router margins predict for the update's logit shift) and `policy/approx_kl` (the per-update "
+    "KL); mean ± 95% CI over seeds."
+)
+
+
+def collapse_section(sweep: Sweep) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The collapse table and, per varying field, its collapsed seeds / seeds by value."""
+    return collapse_table(sweep.groups), {f: collapse_by_field(sweep.runs, f) for f in sweep.fields}
+
+
+def pairs_section(sweep: Sweep) -> tuple[list[dict[str, Any]], Any]:
+    """The pairwise differences, with the sweep's warm-start design their table opens with."""
+    return pairwise(sweep.groups, sweep.fields, sweep.permutations), detect_design(sweep.runs)
+
+
+SUMMARY = Section(name="summary", heading="Summary (mean ± 95% CI over seeds)", intro=SUMMARY_INTRO,
+                  file="summary_table.md", compute=lambda sweep: summary_table(sweep.groups), markdown=format_summary)
+STEP = Section(name="step_size", heading="Volatility and step size", intro=STEP_INTRO,
+               compute=lambda sweep: step_table(sweep.groups) or None, markdown=format_step)
+COLLAPSE = Section(
+    name="collapse", heading="Collapse", file="collapse_table.md", compute=collapse_section,
+    markdown=lambda r: "\n\n".join([format_collapse(r[0]), *r[1].values()]),
+    body=lambda r: "\n\n".join([format_collapse(r[0]),
+                                 *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in r[1].items())]),
+    json=lambda r: {"collapse": r[0]},
+)
+PAIRS = Section(name="pairs", heading="Pairwise differences", file="pairs_table.md", compute=pairs_section,
+                markdown=lambda r: format_pairs(*r), json=lambda r: {"pairs": r[0]})  # fmt: skip
+
+SECTIONS: tuple[Section, ...] = (
+    SUMMARY, outcomes.SECTION, STEP, COLLAPSE, drift.SECTION, critical.SECTION, steplr.SECTION,
+    offpolicy.SECTION, engines.SECTION, PAIRS,
+)
+"""The report's sections in report.md's order (and table.json's); each applies or is left out."""
+
+
 def write_report(
     runs: list[Run],
     out_dir: Path,
@@ -203,72 +253,32 @@ def write_report(
     sources: list[str],
     smooth: float = 0.0,
     permutations: int = 10_000,
+    sections: tuple[Section, ...] = SECTIONS,
 ) -> Path:
     """Figures, tables (markdown and table.json) and report.md under out_dir; returns report.md's path.
 
     smooth: EMA weight for the curves (0 = none; analysis.stats.ema); permutations: the collapse-rate
-    permutation test's budget (exact below it, seeded random splits above).
+    permutation test's budget (exact below it, seeded random splits above); sections: the registry to
+    walk (analysis.sections).
     """
     if not runs:
         raise ValueError("no runs to analyse")
     out_dir.mkdir(parents=True, exist_ok=True)
     fields = varying_fields(runs)
     groups = group_runs(runs, fields)
-    summary, collapse = summary_table(groups), collapse_table(groups)
-    outcomes = outcomes_table(groups) if has_expected(runs) else {}
-    steps = step_table(groups)
-    pairs = pairwise(groups, fields, permutations)
-    figures = write_figures(groups, out_dir, smooth=smooth)
-    if outcomes:
-        figures = {**figures, "expected_accuracy": (plot_expected_accuracy(groups, out_dir), outcomes_caption)}
-    summary_md, collapse_md, pairs_md = (
-        format_summary(summary),
-        format_collapse(collapse),
-        format_pairs(pairs, detect_design(runs)),
-    )
-    by_field = {f: collapse_by_field(runs, f) for f in fields}
-    dose_field = drift.dose_field(fields, runs)
-    dose = drift.dose_table(groups, permutations, dose_field) if dose_field else None
-    if dose is not None:
-        trend = drift.dose_trend(groups, dose_field)
-        slopes = drift.trend_differences(drift.trend_json(trend))
-        dose_md = (drift.format_dose(dose) + "\n\nDose trend:\n\n" + drift.format_trend(trend)
-                   + ("\n\nDifference of slopes (paired by seed):\n\n" + drift.format_trend_differences(slopes)
-                      if slopes else ""))
-        (out_dir / "dose_table.md").write_text(dose_md + "\n")
-        figures = {"phase_diagram": (drift.plot_phase_diagram(groups, dose, out_dir), drift.CAPTION), **figures}
-    crit = critical.critical_lr(runs, fields, dose_field)
-    crit_md = critical.format_critical(crit, dose_field) if crit else ""
-    if crit:
-        (out_dir / "critical_lr.md").write_text(crit_md + "\n")
-        figures = {**figures, "critical_lr": (critical.plot_critical(crit, out_dir), critical.CAPTION)}
-    off = (offpolicy.offpolicy_table(runs), offpolicy.offpolicy_trends(runs)) if offpolicy.applies(runs) else None
-    off_md = offpolicy.format_offpolicy(*off) if off else ""
-    if off:
-        (out_dir / "offpolicy.md").write_text(off_md + "\n")
-        figures = {"offpolicy": (offpolicy.plot_offpolicy(off[0], out_dir), offpolicy.CAPTION), **figures}
-    own = steplr.steplr_table(*steplr.arms_from_runs(runs, fields)) if steplr.applies(fields, runs) else None
-    own_md = steplr.format_steplr(own) if own is not None else ""
-    if own is not None:
-        (out_dir / "own_lr.md").write_text(own_md + "\n")
-    eng = engines.engine_table(runs) if engines.applies(runs) else None
-    eng_md = engines.format_engines(eng) if eng else ""
-    if eng:
-        (out_dir / "engines.md").write_text(eng_md + "\n")
-    (out_dir / "summary_table.md").write_text(summary_md + "\n")
-    (out_dir / "collapse_table.md").write_text("\n\n".join([collapse_md, *by_field.values()]) + "\n")
-    (out_dir / "pairs_table.md").write_text(pairs_md + "\n")
-    (out_dir / "table.json").write_text(
-        json.dumps({"summary": summary, "collapse": collapse, "pairs": pairs,
-                    **({"dose": drift.dose_json(dose), "dose_trend": drift.trend_json(trend),
-                         "dose_trend_differences": slopes} if dose is not None else {}),
-                    **({"outcomes": outcomes} if outcomes else {}),
-                    **({"step_size": steps} if steps else {}),
-                    **({"critical_lr": critical.critical_json(crit)} if crit else {}),
-                    **({"own_lr": own} if own is not None else {}),
-                    **({"offpolicy": offpolicy.offpolicy_json(*off)} if off else {}),
-                    **({"engines": engines.engines_json(eng)} if eng else {})}, indent=2)
-    )
+    sweep = Sweep(runs, fields, groups, permutations, smooth)
+    done = [(s, r) for s in sections if s.applies(sweep) and (r := s.compute(sweep)) is not None]
+    lead: Figures = {}
+    rest: Figures = {}
+    for section, result in done:
+        (lead if section.lead else rest).update(section.figures(result, out_dir))
+    figures = {**lead, **write_figures(groups, out_dir, smooth=smooth), **rest}
+    table: dict[str, Any] = {}
+    for section, result in done:
+        if section.file:
+            (out_dir / section.file).write_text(section.markdown(result) + "\n")
+        table.update(section.entries(result))
+    (out_dir / "table.json").write_text(json.dumps(table, indent=2))
 
     names = short_names(fields)
     varying = ", ".join(f"`{f}`" + (f" (shown as {names[f]})" if names[f] != f else "") for f in fields)
@@ -287,29 +297,7 @@ def write_report(
             if smooth
             else ""
         ),
-        "## Summary (mean ± 95% CI over seeds)",
-        "Per run: final reward = mean `rollout/reward/mean` over the last 5 steps; final eval acc = the last "
-        "logged `eval/accuracy` (held-out eval; the column is left out when no run has it); final expected acc = the "
-        "last logged `eval/expected_accuracy` (likewise); the other columns "
-        "are means over steps of `clip/token_frac`, `ratio/token/var`, `routing/expert_change/response_frac`; collapse "
-        "events = `collapse/events` at the last step. Full precision in [table.json](table.json).",
-        summary_md,
-        *(["## Expected accuracy over training", format_outcomes(outcomes)] if outcomes else []),
-        *(["## Volatility and step size", "Per run, the mean over steps of `routing/expert_change/after_one_update` "
-           "(mini-batch 2 against the old policy: the paper's per-update quantity), `routing/margin/predicted_change` "
-           "(what the router margins predict for the update's logit shift) and `policy/approx_kl` (the per-update "
-           "KL); mean ± 95% CI over seeds.", format_step(steps)] if steps else []),
-        "## Collapse",
-        collapse_md,
-        *(f"Collapsed seeds / seeds by `{f}`:\n\n{md}" for f, md in by_field.items()),
-        *(["## Dose-response", drift.__doc__.split("\n\n", 1)[1].strip(), dose_md] if dose else []),
-        *(["## Critical step size", critical.__doc__.split("\n\n", 1)[1].strip(), crit_md] if crit else []),
-        *(["## Each objective at its own step size", steplr.__doc__.split("\n\n", 1)[1].strip(), own_md]
-          if own is not None else []),
-        *(["## Replay against off-policiness", offpolicy.__doc__.split("\n\n", 1)[1].strip(), off_md] if off else []),
-        *(["## vLLM engine against hf engine", engines.__doc__.split("\n\n", 1)[1].strip(), eng_md] if eng else []),
-        "## Pairwise differences",
-        pairs_md,
+        *(text for section, result in done if (text := section.report_text(result))),
         "## Figures",
     ]
     for name, (path, caption) in figures.items():

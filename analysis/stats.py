@@ -32,10 +32,50 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as sps
 
-# The mean over seeds and its interval are the library's (moe_rl.trainer.compare prints them too).
-from moe_rl.seed_stats import CI_NOTE, LEVEL, MeanCI, finite, mean_ci  # noqa: F401
-
+LEVEL = 0.95
 MIN_SEEDS = 5
+CI_NOTE = "mean ± 95% CI half-width over seeds (Student t, n - 1 dof); n = seeds with a finite value"
+
+
+def finite(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """The finite entries of `values` as float64."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    return v[np.isfinite(v)]
+
+
+@dataclass(frozen=True)
+class MeanCI:
+    """A mean over seeds with its confidence interval: mean ± half (nan half when n < 2)."""
+
+    mean: float
+    half: float
+    n: int
+
+    @property
+    def lo(self) -> float:
+        return self.mean - self.half
+
+    @property
+    def hi(self) -> float:
+        return self.mean + self.half
+
+    def format(self, digits: int = 4) -> str:
+        """The cell text: "0.5123 ± 0.0412", "0.5123 ± –" with one seed, "n/a" with none."""
+        if self.n == 0:
+            return "n/a"
+        half = "–" if not math.isfinite(self.half) else f"{self.half:.2g}"
+        return f"{self.mean:.{digits}g} ± {half}"
+
+
+def mean_ci(values: Sequence[float] | np.ndarray, level: float = LEVEL) -> MeanCI:
+    """Mean of the finite values with the Student t interval  mean ± t_{n-1,(1+level)/2} · s / sqrt(n)."""
+    v = finite(values)
+    if v.size == 0:
+        return MeanCI(math.nan, math.nan, 0)
+    if v.size == 1:
+        return MeanCI(float(v[0]), math.nan, 1)
+    sem = v.std(ddof=1) / math.sqrt(v.size)
+    return MeanCI(float(v.mean()), float(sps.t.ppf((1 + level) / 2, v.size - 1) * sem), int(v.size))
 
 
 @dataclass(frozen=True)
@@ -179,6 +219,20 @@ def verdict(d: Difference, alpha: float = 0.05, min_seeds: int = MIN_SEEDS) -> s
     if d.p < alpha:
         return f"distinguishable from noise at {pct} ({d.test}, p = {d.p:.3g})"
     return f"not distinguishable from noise at {pct} ({d.test}, p = {d.p:.3g})"
+
+
+def short_verdict(sentence: str) -> str:
+    """A `verdict` without its parenthesis (for a table that shows the CI and p beside it)."""
+    return sentence.split(" (", 1)[0]
+
+
+def format_difference(d: Difference) -> str:
+    """A difference as a table cell: "+0.012 [-0.003, +0.027], p = 0.11" (interval and p where finite)."""
+    if not math.isfinite(d.diff):
+        return "n/a"
+    ci = f" [{d.lo:+.3f}, {d.hi:+.3f}]" if math.isfinite(d.lo) else ""
+    p = f", p = {d.p:.2g}" if math.isfinite(d.p) else ""
+    return f"{d.diff:+.3f}{ci}{p}"
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:

@@ -39,6 +39,7 @@ from analysis.figures import finite_mean
 from analysis.load import Run
 from analysis.outcomes import auc, has_expected
 from analysis.pairs import final_eval, final_reward
+from analysis.sections import Section, doc_intro
 from analysis.stats import LEVEL, Difference, paired_t, verdict
 
 LR = "trainer.lr"
@@ -327,6 +328,17 @@ def format_steplr(table: list[dict[str, Any]]) -> str:
         lines += ["", f"- At its own best lr (cross-fitted): {_ci(own)}: {own['verdict']}."]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
+
+
+SECTION = Section(
+    name="own_lr",
+    heading="Each objective at its own step size",
+    intro=doc_intro(__doc__),
+    file="own_lr.md",
+    applies=lambda sweep: applies(sweep.fields, sweep.runs),
+    compute=lambda sweep: steplr_table(*arms_from_runs(sweep.runs, sweep.fields)),
+    markdown=format_steplr,
+)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,7 @@
     moe-rl-train -m +experiment=quickstart objective=grpo,grpo_rr,gspo hydra.sweep.dir=SWEEP
     python experiments/quickstart_golden.py SWEEP            # writes docs/golden/quickstart.json
 
-The file holds the comparison table of that sweep (moe_rl.trainer.compare.comparison: one seed, so each
+The file holds the comparison table of that sweep (analysis.compare.comparison: one seed, so each
 cell is that run's value), the warm start it started from, and the provenance the runs recorded, which
 decides where the numbers hold: tests/integration/test_quickstart_golden.py (slow) reruns the command and asks for
 the same table to 1e-9 when torch, transformers, the CPU vector extensions and the thread count are the
@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moe_rl.trainer.compare import COLUMNS, comparison, run_dirs
+from analysis.compare import COLUMNS, comparison, run_dirs
 
 GOLDEN = Path(__file__).resolve().parents[1] / "docs" / "golden" / "quickstart.json"
 COMMAND = "moe-rl-train -m +experiment=quickstart objective=grpo,grpo_rr,gspo"

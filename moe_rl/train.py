@@ -98,7 +98,7 @@ def main(cfg: DictConfig) -> float:
     """Validate, then train; returns the final mean reward (Hydra sweepers can optimise it).
 
     In a sweep a failing job records failed.json and returns NaN: the launcher runs the other jobs, and
-    the end-of-sweep callback (moe_rl.trainer.compare.ComparisonTableCallback) prints the table of those
+    the end-of-sweep callback (analysis.compare.ComparisonTableCallback) prints the table of those
     that finished, names the failed ones and exits 1. (A raise would make Hydra print a traceback and
     skip the callback; sys.exit would end the whole sweep at once.)
     """

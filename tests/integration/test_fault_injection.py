@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from analysis.compare import comparison
 from moe_rl.errors import RunError, one_line
 from moe_rl.trainer.checkpoint import (
     CHECKPOINT,
@@ -35,7 +36,6 @@ from moe_rl.trainer.checkpoint import (
     CheckpointError,
     read_checkpoint,
 )
-from moe_rl.trainer.compare import comparison
 from moe_rl.trainer.run import train
 from moe_rl.warmstart import WarmStartConfig, warm_start_dir
 from tests.integration.test_train_loop import TINY, compose_config

@@ -502,3 +502,67 @@ def test_step_table_averages_change_and_kl_per_run_then_over_seeds(tmp_path):
     assert row["per-update KL"] == pytest.approx(np.mean([k for _, k in per_run.values()]), rel=1e-12)
     assert math.isnan(row["change predicted by the margins"])  # not logged by these runs
     assert "| 3 | 4.00% ± " in format_step(table)
+
+
+def _copies(groups: dict, n: int) -> dict:
+    """n groups, each the runs of the first group (a wide sweep without writing n sets of runs)."""
+    runs = next(iter(groups.values()))
+    return {f"arm {i:02d}": runs for i in range(n)}
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 20])
+def test_length_variance_draws_a_panel_per_group_up_to_the_limit_then_one_panel_per_variance(tmp_path, monkeypatch, n):
+    """Up to MAX_GROUP_PANELS (8) groups length_variance.png has one panel per group, titled by it; above, one
+    panel per variance (3, whatever the count), each with one error-bar line per group."""
+    import analysis.figures as figures
+    from analysis.plotting import MAX_GROUP_PANELS
+
+    _length_runs(tmp_path / "length")
+    groups = _copies(group_runs(load_local([tmp_path / "length"], progress=False)), n)
+    drawn = []
+    monkeypatch.setattr(figures, "finish", lambda fig, axes, path, title: drawn.append(axes) or path)
+    figures.plot_length_variance(groups, tmp_path)
+    (axes,) = drawn
+    titles = [ax.get_title() for ax in axes]
+    if n <= MAX_GROUP_PANELS:
+        assert titles == list(groups) and all(len(ax.containers) == 3 for ax in axes)
+    else:
+        assert titles == [name for name, _, _ in figures.LENGTH_VARIANCES.values()]
+        assert all(len(ax.containers) == n for ax in axes)
+
+
+def test_figures_are_palette_pngs_at_the_set_dpi(tmp_path):
+    """save_png writes an 8-bit palette PNG whose size in pixels is the figure's inches (and matplotlib's
+    tight-bbox padding) times DPI."""
+    from PIL import Image
+
+    from analysis.plotting import DPI, plt, save_png
+
+    fig = plt.figure(figsize=(4, 3))
+    fig.add_artist(plt.Line2D([0, 1], [0, 1]))  # reaches the corners, so bbox_inches="tight" keeps the size
+    with Image.open(save_png(fig, tmp_path / "f.png")) as image:
+        pad = 2 * plt.rcParams["savefig.pad_inches"]
+        assert image.mode == "P" and image.size == (round((4 + pad) * DPI), round((3 + pad) * DPI))
+
+
+def test_a_section_added_to_the_registry_appears_in_every_output(hand_sweep, tmp_path):
+    """A Section passed to write_report writes its file, its table.json entry, its heading and intro in
+    report.md and links its figure; one whose applies is false leaves no trace."""
+    from analysis.plotting import plt, save_png
+    from analysis.report import SECTIONS
+    from analysis.sections import Section
+
+    def figure(result, out_dir):
+        fig = plt.figure(figsize=(2, 2))
+        return {"seed_count": (save_png(fig, out_dir / "seed_count.png"), "Runs per sweep.")}
+
+    extra = Section(name="seed_count", heading="Seeds", intro="How many runs.", file="seeds.md",
+                    compute=lambda sweep: len(sweep.runs), markdown=lambda n: f"{n} runs", figures=figure)
+    never = Section(name="never", heading="Never", compute=lambda sweep: 1, markdown=str, file="never.md",
+                    applies=lambda sweep: False)
+    runs = load_local([hand_sweep], progress=False)
+    text = write_report(runs, tmp_path / "out", "t", [], sections=(*SECTIONS, extra, never)).read_text()
+    assert (tmp_path / "out" / "seeds.md").read_text() == "4 runs\n"
+    assert json.loads((tmp_path / "out" / "table.json").read_text())["seed_count"] == 4
+    assert "## Seeds\n\nHow many runs.\n\n4 runs\n\n## Figures" in text and "![seed_count](seed_count.png)" in text
+    assert "Never" not in text and not (tmp_path / "out" / "never.md").exists()

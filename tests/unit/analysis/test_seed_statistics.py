@@ -8,6 +8,7 @@ import pytest
 from scipy import stats as sps
 
 from analysis.cli import parse_args
+from analysis.compare import comparison, format_table
 from analysis.figures import aggregate
 from analysis.load import Run, group_runs, load_local
 from analysis.outcomes import auc, expected_curve, has_expected, regression_time
@@ -26,7 +27,6 @@ from analysis.stats import (
     verdict,
     welch,
 )
-from moe_rl.trainer.compare import comparison, format_table
 from tests.unit.analysis.test_analyze_load_group_report import run_config, run_metrics, write_run
 
 T_2 = 4.302652729749464  # t_{2, 0.975}, from printed tables

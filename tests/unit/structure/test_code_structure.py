@@ -1,5 +1,6 @@
-"""The code's shape, checked over the source with `ast`: no private name is imported across modules, and
-one module alone decides which routing a forward uses (moe_rl/trainer/plan.py)."""
+"""The code's shape, checked over the source with `ast`: no private name is imported across modules, the
+library (moe_rl/) never imports the analysis (analysis/), and one module alone decides which routing a
+forward uses (moe_rl/trainer/plan.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,20 @@ def private_imports(sources: list[Path], modules: set[str], root: Path = ROOT) -
     return found
 
 
+def imports_of(sources: list[Path], package: str, root: Path = ROOT) -> list[str]:
+    """`file:line` for every import of `package` or a module under it (`import x`, `from x.y import z`)."""
+    found = []
+    for p in sources:
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            names = (
+                [a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            )
+            if any(n == package or n.startswith(package + ".") for n in names):
+                found.append(f"{p.relative_to(root)}:{node.lineno}")
+    return found
+
+
 def routing_branches(sources: list[Path], root: Path = ROOT) -> dict[str, list[int]]:
     """Lines, per file, where the value of `routing.replay` or `routing.noise_scope` is compared or used as
     a key (a branch on it), outside the config schema's `validate` methods (which refuse bad combinations
@@ -74,6 +89,18 @@ def test_the_scan_finds_a_private_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from moe_rl.trainer.run import _hidden, train\nfrom os import _exit\n")
     assert private_imports([bad], {"moe_rl.trainer.run"}, tmp_path) == ["bad.py: from moe_rl.trainer.run import _hidden"]
+
+
+def test_the_library_never_imports_the_analysis():
+    """No module of moe_rl/ imports analysis/ (the analysis reads the library's outputs, never the reverse)."""
+    assert imports_of(_sources("moe_rl"), "analysis") == []
+
+
+def test_the_scan_finds_an_import_of_the_analysis(tmp_path):
+    """`import analysis.x` and `from analysis.x import y` are found; `from analysis_tools import z` is not."""
+    src = tmp_path / "m.py"
+    src.write_text("import analysis.stats\nfrom analysis.compare import main\nfrom analysis_tools import z\n")
+    assert imports_of([src], "analysis", tmp_path) == ["m.py:1", "m.py:2"]
 
 
 def test_one_module_branches_on_the_replay_source_and_the_noise_scope():

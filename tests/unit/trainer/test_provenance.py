@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from analysis.compare import read_runs
 from analysis.load import load_local
 from moe_rl.provenance import FIELDS, provenance, provenance_mismatch
-from moe_rl.trainer.compare import read_runs
 from moe_rl.trainer.run import train
 from tests.helpers.wandb_offline import run_config
 from tests.integration.test_train_loop import TINY, compose_config
@@ -98,7 +98,7 @@ def test_console_tools_print_the_provenance_warning_as_one_line(tmp_path, tool):
     a = provenance("cpu")
     _run_folder(tmp_path / "sweep" / "0", 0, a)
     _run_folder(tmp_path / "sweep" / "1", 1, {**a, "threads": a["threads"] + 1})
-    module = {"moe-rl-compare": "moe_rl.trainer.compare", "moe-rl-analyze": "analysis.cli"}[tool]
+    module = {"moe-rl-compare": "analysis.compare", "moe-rl-analyze": "analysis.cli"}[tool]
     extra = ["--out", str(tmp_path / "out"), "--no-progress"] if tool == "moe-rl-analyze" else []
     proc = subprocess.run([sys.executable, "-m", module, str(tmp_path / "sweep"), *extra], capture_output=True,
                           text=True, timeout=300, cwd=REPO)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from analysis.compare import comparison, format_table
 from moe_rl.errors import RunError, one_line
 from moe_rl.trainer.checkpoint import (
     CHECKPOINT,
@@ -34,7 +35,6 @@ from moe_rl.trainer.checkpoint import (
     set_rng_state,
 )
 from moe_rl.trainer.collapse import CollapseDetector
-from moe_rl.trainer.compare import comparison, format_table
 from moe_rl.trainer.logging import CorruptLogError, read_jsonl, to_json
 
 REPO = Path(__file__).resolve().parents[3]
@@ -413,7 +413,7 @@ def test_missing_sweep_path_fails_in_one_line(tmp_path, command):
     import subprocess
     import sys
 
-    module = {"moe-rl-compare": "moe_rl.trainer.compare", "moe-rl-analyze": "analysis.cli"}[command]
+    module = {"moe-rl-compare": "analysis.compare", "moe-rl-analyze": "analysis.cli"}[command]
     extra = ["--out", str(tmp_path / "out")] if command == "moe-rl-analyze" else []
     proc = subprocess.run([sys.executable, "-m", module, str(tmp_path / "nope"), *extra], capture_output=True,
                           text=True, timeout=120, cwd=REPO)

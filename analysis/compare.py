@@ -4,7 +4,7 @@ One row per objective preset and replay source (taken from each run's summary.js
 folder names), split further by any command-line override that differs between its runs (a swept
 `trainer.lr=...`; seeds never split a row, and a seed found twice counts once). Each cell is the mean
 over seeds ± the half-width of its 95% confidence interval (Student t with n - 1 degrees of freedom, n
-the seeds with a finite value; moe_rl.seed_stats.mean_ci):
+the seeds with a finite value; analysis.stats.mean_ci):
 
 | column | from metrics.jsonl |
 |---|---|
@@ -28,9 +28,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from analysis.stats import mean_ci
 from moe_rl.errors import one_line_warnings
 from moe_rl.provenance import provenance_mismatch
-from moe_rl.seed_stats import mean_ci
 from moe_rl.trainer.logging import CorruptLogError, from_json_number, read_jsonl
 
 COLUMNS = (
