@@ -98,7 +98,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _policy(cfg: Config, progress: bool, task: Task | None = None):
+def initial_policy(cfg: Config, progress: bool, task: Task | None = None):
     """The initial policy for `task` (default `moe_rl.startup.load_task(cfg)`): warm-started (cached) when
     enabled, else freshly built or loaded."""
     task = task if task is not None else load_task(cfg)
@@ -133,7 +133,7 @@ def build_context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, d
     check_launch(cfg, dist.world)  # before the warm start: a missing extra or launcher fails at once
     torch.manual_seed(cfg.seed)
     task = load_task(cfg)
-    model, tokenizer, ws = _policy(cfg, cfg.logger.progress and dist.main, task)
+    model, tokenizer, ws = initial_policy(cfg, cfg.logger.progress and dist.main, task)
     check_chat_template(cfg, tokenizer)
     t = cfg.trainer
     sharded = dist.world > 1 and t.parallel == "fsdp"

@@ -462,11 +462,11 @@ def test_heldout_eval_is_logged_and_never_changes_training(tmp_path, warm_overri
 
 def test_build_seed_shares_one_warm_start_across_run_seeds(warm_overrides):
     """With warmstart.build_seed=0 a run of seed 1 starts from the cached seed-0 warm start, not its own."""
-    from moe_rl.trainer.run import _policy
+    from moe_rl.trainer.run import initial_policy
 
     own = compose_config([*TINY, *warm_overrides])
     shared = compose_config([*TINY, *warm_overrides, "seed=1", "warmstart.build_seed=0"])
-    (_, _, ws0), (_, _, ws1) = _policy(own, progress=False), _policy(shared, progress=False)
+    (_, _, ws0), (_, _, ws1) = initial_policy(own, progress=False), initial_policy(shared, progress=False)
     assert ws1.cached and ws1.path == ws0.path
 
 
