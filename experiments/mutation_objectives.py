@@ -50,8 +50,8 @@ MUTANTS = [
      "(diff_BT.sum(-1))[:, None]"),
     ("icepop: symmetric 1/C band", OBJ + "common.py", 'lo, hi = band if mode == "icepop" else (1.0 / cap, cap)',
      "lo, hi = (1.0 / cap, cap)"),
-    ("ess: square of the mean", "moe_rl/stats.py", "return p[1] ** 2 / (p[0] * p[2])", "return p[1] / (p[0] * p[2]) ** 0.5"),
-    ("stats: variance combine drops the between term", "moe_rl/stats.py",
+    ("ess: square of the mean", "moe_rl/reduction.py", "return p[1] ** 2 / (p[0] * p[2])", "return p[1] / (p[0] * p[2]) ** 0.5"),
+    ("stats: variance combine drops the between term", "moe_rl/reduction.py",
      "qa + qb + delta * delta * na * nb / n", "qa + qb"),
     ("cispo: ratio not stop-gradient", OBJ + "cispo.py", "r_BT = ratio.value.detach()", "r_BT = ratio.value"),
     (

@@ -20,7 +20,7 @@ Options every objective takes on top: `opsm_delta` (off-policy sequence masking,
 
 So GRPO and GSPO differ only in the ratio. The trainer builds one `ObjectiveInputs` value (the tensors and
 the options) and calls `OBJECTIVES[name].compute(inputs)`, which returns `(loss, Stats)`: metrics as sums
-and counts (`moe_rl.stats`) that reduce exactly over ranks and mini-batches, with no list of names.
+and counts (`moe_rl.reduction`) that reduce exactly over ranks and mini-batches, with no list of names.
 Any other caller may use the keyword form, which builds the inputs and returns float metrics:
 
     loss, metrics = OBJECTIVES[name](logp_BT, old_logp_BT, adv_B_or_BT, mask_BT, clip_low=..., clip_high=...,
@@ -41,7 +41,7 @@ token's loss by ω = a function of ρ = π_old / π_sampler (see `common.rollout
 ## Metrics
 
 `Stats` from `compute` (floats from the keyword form), computed under `no_grad` in float64 over valid
-tokens only; each is a (sum, count) pair, an extreme, or a sum (`moe_rl.stats`). Notation: d_it = logp_it −
+tokens only; each is a (sum, count) pair, an extreme, or a sum (`moe_rl.reduction`). Notation: d_it = logp_it −
 old_logp_it; r_it = exp(clamp(d_it, ±20)) the token ratio; s_i = exp(clamp(mean_t d_it, ±20)) the
 sequence ratio; ρ_it the ratio the objective clips (w_it = r_it for grpo, s_i for gspo and gspo_token);
 N = valid tokens; B' = sequences with at least one valid token; [·] = 1 if true else 0;

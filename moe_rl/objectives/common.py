@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from moe_rl import stats
-from moe_rl.stats import Stats
+from moe_rl import reduction as S
+from moe_rl.reduction import Stats
 
 LOG_RATIO_BOUND = 20.0
 """Log-ratios are clamped to [-20, 20] before exp, so ratios lie in [2.1e-9, 4.9e8] and stay finite in
@@ -195,7 +195,7 @@ def kl_penalty(
         kl_BT = KL_ESTIMATORS[estimator](logp_BT, ref_logp_BT)
     kl = aggregate(torch.where(mask_BT, kl_BT, 0.0), mask_BT)
     w = (mask_BT.sum() if aggregate is token_mean else mask_BT.any(-1).sum()).double()
-    return beta * kl, {"policy/ref_kl": stats.ratio(kl.detach().double() * w, w)}
+    return beta * kl, {"policy/ref_kl": S.ratio(kl.detach().double() * w, w)}
 
 
 ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
@@ -240,7 +240,7 @@ def rollout_is_weight(
         return ones_BT, {}
     diff_BT = torch.where(mask_BT, old_logp_BT - sampler_logp.to(old_logp_BT.dtype), 0.0).detach()
     seq_w_B = diff_BT.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()[mask_BT.any(-1)]
-    out = {"rollout_is/ess": stats.ess(seq_w_B), "rollout_is/chi2": stats.chi2(seq_w_B)}
+    out = {"rollout_is/ess": S.ess(seq_w_B), "rollout_is/chi2": S.chi2(seq_w_B)}
     if mode == "none":
         return ones_BT, out
     if mode.startswith("sequence"):
@@ -254,9 +254,9 @@ def rollout_is_weight(
     rho_N = rho_BT[mask_BT]
     frac_key = "rollout_is/clipped_frac" if mode.endswith("truncate") else "rollout_is/masked_frac"
     return torch.where(mask_BT, weight_BT, 0.0), {
-        "rollout_is/mean": stats.mean(rho_N),
-        "rollout_is/max": stats.maximum(rho_N),
-        frac_key: stats.mean(outside_BT[mask_BT]),
+        "rollout_is/mean": S.mean(rho_N),
+        "rollout_is/max": S.maximum(rho_N),
+        frac_key: S.mean(outside_BT[mask_BT]),
         **out,
     }
 

@@ -1,4 +1,4 @@
-"""The objectives' diagnostics as reducible `moe_rl.stats.Stats`, computed under no_grad in float64.
+"""The objectives' diagnostics as reducible `moe_rl.reduction.Stats`, computed under no_grad in float64.
 
 Shape legend: B = sequences, T = padded token positions, N = valid tokens; `mask_BT` is True at valid
 response tokens. Formulas: the metric table in moe_rl.objectives. Every mean is a (sum, count) pair, so
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe_rl import stats as S
+from moe_rl import reduction as S
 from moe_rl.objectives.common import LOG_RATIO_BOUND, k3, seq_log_ratio
 
 

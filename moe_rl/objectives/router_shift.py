@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe_rl import stats as S
+from moe_rl import reduction as S
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl import stats as S
+from moe_rl import reduction as S
 from moe_rl.objectives.common import AGGREGATIONS, SEQ_MEAN_TOKEN_MEAN
 from moe_rl.objectives.surrogate import Objective, Prepared, Ratio, Surrogate, broadcast, seq_ratio, token_ratio
 

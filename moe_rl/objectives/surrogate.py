@@ -20,7 +20,7 @@ Everything else happens in `compute`, once for all of them, in this order:
     loss  += beta · agg(kl(logp, ref_logp))
 
 So "GRPO and GSPO differ only in the ratio" reads off the registry (moe_rl.objectives.OBJECTIVES): both
-are `ppo_clip`, over `token_ratio` and `seq_ratio`. Metrics are `moe_rl.stats.Stats` (sums and counts
+are `ppo_clip`, over `token_ratio` and `seq_ratio`. Metrics are `moe_rl.reduction.Stats` (sums and counts
 that reduce exactly); `Objective.__call__` keeps the keyword form, with floats, for callers outside the
 trainer.
 """
@@ -34,7 +34,7 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 import torch
 from torch import Tensor
 
-from moe_rl import stats as S
+from moe_rl import reduction as S
 from moe_rl.objectives import diagnostics as D
 from moe_rl.objectives.common import (
     DEFAULT_EXTREME_BAND,

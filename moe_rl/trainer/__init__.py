@@ -4,7 +4,7 @@ the policy's export in Hugging Face format (`export.py`).
 Metrics logged every step (to metrics.jsonl and W&B). Under data parallelism (torchrun, W ranks) every
 metric is first reduced over ranks, so one process and W processes log the same quantity:
 - the objective's `clip/*`, `ratio/*`, `policy/*`, `rollout_is/*` and `train/*` keys come as
-  `moe_rl.stats.Stats` (sums and counts, extremes, or mergeable variances, the reduction carried by each
+  `moe_rl.reduction.Stats` (sums and counts, extremes, or mergeable variances, the reduction carried by each
   value, not by its name): each mini-batch's are pooled over ranks exactly, as if one process had held all
   its rows (variances included), then finished; the step logs their mean over mini-batches (`*/sum`: the
   sum, so a quotient of two of them is exact over all ranks and mini-batches);

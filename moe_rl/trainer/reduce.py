@@ -1,7 +1,7 @@
 """The typed results of an RL step's phases, and `reduce_step`: their one gather over ranks and the
 step's metrics (the metric table is in moe_rl/trainer/__init__.py). Shape legend as in step.py.
 
-Every value carries its reduction: the objective's and the step's own scalars are `moe_rl.stats.Stats`
+Every value carries its reduction: the objective's and the step's own scalars are `moe_rl.reduction.Stats`
 (sums and counts, extremes, pooled variances); a mini-batch's routing change is a `RoutingChange` (means
 over its positions or tokens, pooled weighted by their counts; drift and logit-shift slots and the length
 sums add); the router margins are a pooled sample (exact order statistics). No list of metric names
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl import stats as S
+from moe_rl import reduction as S
 from moe_rl.objectives.common import LENGTH_SUMS, length_bins, length_metrics
 from moe_rl.rollout import Rollout
 from moe_rl.routing import (
@@ -118,7 +118,7 @@ def reduce_step(
     """The step's metrics over all ranks (one gather; identical on every rank), and the ratio extremes
     over all its mini-batches that the collapse detector reads beside them.
 
-    Each mini-batch's objective stats are pooled over ranks exactly (moe_rl.stats.combine: whatever the
+    Each mini-batch's objective stats are pooled over ranks exactly (moe_rl.reduction.combine: whatever the
     key), then finished; the step's value is their mean over mini-batches (`*/sum`: their sum)."""
     mask_BR = roll.response_mask_BR
     rows = [

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from moe_rl import stats as S
+from moe_rl import reduction as S
 from moe_rl.config import Config, ObjectiveConfig
 from moe_rl.objectives import OBJECTIVES, ObjectiveInputs
 from moe_rl.objectives.common import length_bins, length_sums
@@ -219,7 +219,7 @@ def update(
     ctx: StepContext, batch: Batch, old: OldPolicy, plan: RoutingPlan, j: int, loss_scale: float = 1.0
 ) -> MinibatchResult:
     """One optimizer step on mini-batch j (0-based) in the plan's routing; returns its stats (which keep
-    their moe_rl.stats for the exact reduction over ranks), its routing change (the routing this forward
+    their moe_rl.reduction for the exact reduction over ranks), its routing change (the routing this forward
     used absent replay, free or drifted, against the old policy's) and its counts."""
     cfg = ctx.cfg
     sl, old_logp_bR, old_trace = batch.minibatches[j], old.logps[j], old.traces[j]

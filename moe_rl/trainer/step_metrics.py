@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from moe_rl import stats as S
+from moe_rl import reduction as S
 from moe_rl.objectives.common import extreme_weight_share
 from moe_rl.routing import (
     RoutingTrace,

@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/helpers/dp_weight_share_worker.py OUT.json
 
 Every rank computes each objective's metrics on its rows of two mini-batches of `weight_batch`, reduces
-them over ranks (`moe_rl.stats.combine`, as the step pools a mini-batch) and mini-batches (`over_minibatches`, `ratio_extremes`) as the step
+them over ranks (`moe_rl.reduction.combine`, as the step pools a mini-batch) and mini-batches (`over_minibatches`, `ratio_extremes`) as the step
 does; rank 0 writes the result per objective to OUT.json.
 """
 
@@ -42,7 +42,7 @@ def rows(minibatch: int, rank: int, world: int) -> slice:
 
 def step_metrics(name: str, rank: int, world: int, gather) -> dict[str, float]:
     """One objective's metrics as the step reduces them, with `gather` the all-gather of picklable objects."""
-    from moe_rl import stats as S
+    from moe_rl import reduction as S
     from moe_rl.objectives import OBJECTIVES, ObjectiveInputs
     from moe_rl.trainer.step_metrics import over_minibatches, ratio_extremes
 

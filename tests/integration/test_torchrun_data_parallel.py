@@ -93,7 +93,7 @@ def test_step_scalars_reduce_by_the_kind_they_carry():
     """The step's own scalars reduce over ranks by the reduction attached to each value (no name list):
     a mean weighted by each rank's rows, tokens or positions (a rank's NaN counts for nothing), the max of
     stage times, the sum of throughputs and byte counts."""
-    from moe_rl import stats as S
+    from moe_rl import reduction as S
 
     ranks = [
         {"routing/load_cv/mean": S.weighted(1.0, 4.0), "mismatch/logp_abs_diff/mean": S.weighted(1.0, 1.0),
@@ -136,7 +136,7 @@ def test_weight_share_and_sign_extremes_reduce_exactly_over_ranks_and_minibatche
     """Two ranks x two mini-batches reduced as the step reduces them give the extreme-weight share of all
     rows pooled (a ratio of sums, not a mean of shares) and the pooled per-sign ratio extremes, even where
     one rank has no token of a sign (NaN there)."""
-    from moe_rl import stats as S
+    from moe_rl import reduction as S
     from moe_rl.objectives import OBJECTIVES, ObjectiveInputs
     from moe_rl.objectives.common import extreme_weight_share
     from moe_rl.trainer.step_metrics import over_minibatches, ratio_extremes

@@ -333,7 +333,7 @@ def test_minibatch_overlap_is_measured_and_group_minibatches_remove_it():
 def test_minibatch_overlap_counts_identical_sequences():
     """duplicate_frac counts later rows whose prompt and response equal a row of an earlier mini-batch;
     both fractions pool over ranks weighted by the rank's rows."""
-    from moe_rl import stats as S
+    from moe_rl import reduction as S
     from moe_rl.trainer.step_metrics import minibatch_overlap
 
     ids = torch.tensor([[5, 6, 7, 0], [5, 6, 8, 0], [5, 6, 7, 0], [9, 9, 9, 9]])

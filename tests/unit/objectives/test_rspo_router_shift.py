@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from moe_rl import stats as S
+from moe_rl import reduction as S
 from moe_rl.objectives.router_shift import router_shift_ratio
 from tests.unit.objectives.test_cispo_gmpo_rollout_is_kl import (
     CLIP,

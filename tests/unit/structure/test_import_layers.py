@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 LAYERS: list[tuple[str, ...]] = [
-    ("moe_rl.errors", "moe_rl.stats", "moe_rl.json_numbers", "moe_rl.provenance"),
+    ("moe_rl.errors", "moe_rl.reduction", "moe_rl.json_numbers", "moe_rl.provenance"),
     ("moe_rl.objectives", "moe_rl.routing", "moe_rl.tasks"),
     ("moe_rl.models", "moe_rl.rollout"),  # the tokenizer knows a task's alphabet; the sampler records routing
     ("moe_rl.config",),  # the schema: every section's dataclass and its validate, no I/O

@@ -1,4 +1,4 @@
-"""moe_rl.stats: metrics kept as sums, counts and extremes reduce exactly, whatever their name."""
+"""moe_rl.reduction: metrics kept as sums, counts and extremes reduce exactly, whatever their name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from moe_rl import stats as S
+from moe_rl import reduction as S
 from moe_rl.objectives import OBJECTIVES
 
 
