@@ -200,7 +200,8 @@ def calibrate(
     return {
         "config": {"family": ctx.cfg.model.family, "experts": ctx.controller.num_experts, "top_k": K, "layers": ctx.controller.num_layers,
                    "aux": ctx.cfg.model.router_aux_loss_coef, "task": ctx.cfg.task.name, "objective": ctx.cfg.objective.name,
-                   "mini_batches": M, "batches": batches, "rl_steps": rl_steps, "lr": ctx.cfg.trainer.lr},
+                   "mini_batches": M, "batches": batches, "rl_steps": rl_steps, "lr": ctx.cfg.trainer.lr,
+                   "router_lr_scale": ctx.cfg.trainer.router_lr_scale},
         "router": {
             **{f"margin_{k}": v for k, v in margin_summary(m).items()},
             "load_cv": float(torch.stack([x["cv"] for x in loads]).mean()),
@@ -284,26 +285,36 @@ def write_report(result: dict, out: Path) -> None:
 
 def summary_table(results: list[tuple[str, dict]]) -> str:
     """One markdown row per calibration (name, calibration.json): the policy's routers and its natural
-    expert change and |Δ log π| after one update at each lr, and the logit-noise rows' measured against
-    predicted change."""
+    expert change and |Δ log π| after one update at each lr, the damage per point of change (mean |Δ log π| /
+    change in %, the figure section 9 of docs/results.md compares instruments by), and the logit-noise rows'
+    measured against predicted change. `router lr x` is trainer.router_lr_scale (1 in calibrations that
+    predate it)."""
     lrs = sorted({r["scale"] for _, res in results for r in res["rows"] if r["kind"] == "natural"})
-    head = ["policy", "experts / top-k / layers", "aux", "margin median", "p10", "< 0.1", "load CV", "dead",
+    head = ["policy", "experts / top-k / layers", "aux", "router lr x", "margin median", "p10", "< 0.1", "load CV", "dead",
             *[f"change, lr {lr:g}" for lr in lrs], *[f"mean \\|Δlogp\\|, lr {lr:g}" for lr in lrs],
-            "logit noise: σ, measured / predicted"]
+            *[f"\\|Δlogp\\| per point, lr {lr:g}" for lr in lrs], "logit noise: σ, measured / predicted"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, res in results:
         c, r = res["config"], res["router"]
         nat = {x["scale"]: x for x in res["rows"] if x["kind"] == "natural"}
         noise = [x for x in res["rows"] if x["kind"] == "logit_noise"]
         cells = [name, f"{c['experts']} / {c['top_k']} / {c['layers']}", f"{c['aux']:g}",
-                 f"{r['margin_median']:.3f}", f"{r['margin_p10']:.3f}", f"{100 * r['margin_frac_below']:.0f}%",
+                 f"{c.get('router_lr_scale', 1.0):g}", f"{r['margin_median']:.3f}", f"{r['margin_p10']:.3f}", f"{100 * r['margin_frac_below']:.0f}%",
                  f"{r['load_cv']:.2f}", f"{100 * r['dead_frac']:.0f}%",
                  *[f"{100 * nat[lr]['expert_change']:.2f}%" if lr in nat else "" for lr in lrs],
                  *[f"{nat[lr]['dlogp_mean']:.4f}" if lr in nat else "" for lr in lrs],
+                 *[damage_per_point(nat.get(lr)) for lr in lrs],
                  ", ".join(f"{x['scale']:g}: {100 * x['expert_change']:.1f}% / {100 * x['predicted_change']:.1f}%"
                            for x in noise)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def damage_per_point(row: dict | None) -> str:
+    """Mean |Δ log π| per percentage point of expert change ('' without the row or with no change)."""
+    if row is None or row["expert_change"] <= 0:
+        return ""
+    return f"{row['dlogp_mean'] / (100 * row['expert_change']):.4f}"
 
 
 def _summarize(folders: list[Path], out: Path) -> None:

@@ -41,7 +41,27 @@ def test_calibration_runs_end_to_end_and_noise_grows_with_sigma(tmp_path):
     assert (tmp_path / "calibration.png").stat().st_size > 10_000
     main(["--summarize", str(tmp_path), "--out", str(tmp_path / "summary")])
     row = (tmp_path / "summary" / "calibration_summary.md").read_text().splitlines()[2].split(" | ")
-    assert row[1] == "8 / 2 / 2" and row[8] == f"{100 * rows['natural', 0.01]['expert_change']:.2f}%"
+    natural = rows["natural", 0.01]
+    assert row[1] == "8 / 2 / 2" and row[3] == "1" and row[9] == f"{100 * natural['expert_change']:.2f}%"
+    change = 100 * natural["expert_change"]
+    assert row[11] == (f"{natural['dlogp_mean'] / change:.4f}" if change > 0 else "")  # per point of change
+
+
+def test_damage_per_point_of_expert_change():
+    """Mean |Δ log π| over the change in percentage points; empty without a change."""
+    from moe_rl.calibrate import damage_per_point
+
+    assert damage_per_point({"dlogp_mean": 0.0041, "expert_change": 0.0497}) == "0.0008"
+    assert damage_per_point({"dlogp_mean": 0.01, "expert_change": 0.0}) == "" and damage_per_point(None) == ""
+
+
+def test_calibration_records_the_router_lr_scale(tmp_path):
+    """trainer.router_lr_scale is part of the calibrated policy's config and of its summary row."""
+    main([*TINY, "trainer.router_lr_scale=10", "--batches", "1", "--rl-steps", "1", "--lrs", "1e-2", "--drift", "",
+          "--logit-noise", "", "--weight-noise", "", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "calibration.json").read_text())["config"]["router_lr_scale"] == 10
+    main(["--summarize", str(tmp_path), "--out", str(tmp_path / "summary")])
+    assert (tmp_path / "summary" / "calibration_summary.md").read_text().splitlines()[2].split(" | ")[3] == "10"
 
 
 def test_calibration_refuses_a_perturbed_config(tmp_path):
