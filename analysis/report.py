@@ -31,7 +31,7 @@ gives collapsed seeds / seeds for each value and base label.
 
 Volatility and step size (only when some run logged `routing/expert_change/after_one_update`): per
 group the means over steps of the change after one update, the change the router margins predict and
-the per-update KL (STEP_COLUMNS), each mean ± 95% CI over seeds.
+the per-update KL and the load CV (STEP_COLUMNS), each mean ± 95% CI over seeds.
 
 Expected accuracy over training (analysis.outcomes; only when some run logged
 `eval/expected_accuracy`): per group the mean AUC of the expected-accuracy curve with its CI, and the
@@ -147,6 +147,7 @@ STEP_COLUMNS = {
     "change after one update": "routing/expert_change/after_one_update",
     "change predicted by the margins": "routing/margin/predicted_change",
     "per-update KL": "policy/approx_kl",
+    "load CV": "routing/load_cv/mean",
 }
 """Step-size and volatility table: column -> the per-step metric averaged over each run's steps."""
 
@@ -167,7 +168,7 @@ def step_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
 
 
 def format_step(table: dict[str, dict[str, Any]]) -> str:
-    """Markdown, one row per group: the change after one update (%), its prediction, the per-update KL."""
+    """Markdown, one row per group: the change after one update (%), its prediction, the per-update KL, the load CV."""
     lines = ["| run | seeds | " + " | ".join(STEP_COLUMNS) + " |", "|---" * (len(STEP_COLUMNS) + 2) + "|"]
     for label, row in table.items():
         cells = []
@@ -210,8 +211,9 @@ SUMMARY_INTRO = (
 STEP_INTRO = (
     "Per run, the mean over steps of `routing/expert_change/after_one_update` "
     "(mini-batch 2 against the old policy: the paper's per-update quantity), `routing/margin/predicted_change` "
-    "(what the router margins predict for the update's logit shift) and `policy/approx_kl` (the per-update "
-    "KL); mean ± 95% CI over seeds."
+    "(what the router margins predict for the update's logit shift), `policy/approx_kl` (the per-update "
+    "KL) and `routing/load_cv/mean` (the experts' load imbalance, coefficient of variation over experts); "
+    "mean ± 95% CI over seeds."
 )
 
 

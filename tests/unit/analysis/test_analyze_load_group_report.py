@@ -481,7 +481,7 @@ def test_drift_report_adds_expected_accuracy_auc_regression_and_per_seed_trend(t
 
 def test_step_table_averages_change_and_kl_per_run_then_over_seeds(tmp_path):
     """The volatility and step-size table: per run the mean over steps of the change after one update, its
-    margin prediction and the per-update KL; then mean ± t-CI over seeds (float64 reference by hand)."""
+    margin prediction, the per-update KL and the load CV; then mean ± t-CI over seeds (float64 reference by hand)."""
     from analysis.report import format_step, step_table
 
     root = tmp_path / "sweep"
@@ -491,6 +491,7 @@ def test_step_table_averages_change_and_kl_per_run_then_over_seeds(tmp_path):
         for i, row in enumerate(rows):
             row["routing/expert_change/after_one_update"] = 0.01 * (seed + 1) * (i + 1)
             row["policy/approx_kl"] = 1e-3 * (seed + i)
+            row["routing/load_cv/mean"] = 0.5 + 0.1 * seed + 0.2 * i
         write_run(root / f"r{seed}", run_config("grpo", seed, 1e-4), rows)
         per_run[seed] = (0.02 * (seed + 1), 1e-3 * (seed + 1))
     table = step_table(group_runs(load_local([root], progress=False)))
@@ -500,6 +501,7 @@ def test_step_table_averages_change_and_kl_per_run_then_over_seeds(tmp_path):
     assert row["change after one update"] == pytest.approx(np.mean(changes), rel=1e-12)
     assert row["ci95"]["change after one update"] == pytest.approx(half, rel=1e-9)
     assert row["per-update KL"] == pytest.approx(np.mean([k for _, k in per_run.values()]), rel=1e-12)
+    assert row["load CV"] == pytest.approx(np.mean([0.5 + 0.1 * seed + 0.2 for seed in range(3)]), rel=1e-12)
     assert math.isnan(row["change predicted by the margins"])  # not logged by these runs
     assert "| 3 | 4.00% ± " in format_step(table)
 
