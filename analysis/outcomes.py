@@ -8,6 +8,7 @@ row of RL step s at s + 1.
 | quantity | per run |
 |---|---|
 | expected-acc AUC | trapezoid area under the curve divided by its span in updates (last - first eval), so it is the run's mean expected accuracy over training; nan with fewer than two evals |
+| gain | expected accuracy at the last eval minus before the first update (does the policy still learn?); nan without a pre-update eval |
 | time to regression | the first eval (in updates) at which expected accuracy is below `REGRESSION_FRAC` (0.8) x its value before the first update and stays below at the next eval too (*sustained*, two evals in a row); censored at the last eval when that never happens; unknown (left out) without a pre-update eval |
 
 Across two arms: the AUC difference a - b, paired by seed when both ran the same seeds (paired t, else
@@ -65,6 +66,12 @@ def auc(run: Run) -> float:
     return float(np.sum((t[1:] - t[:-1]) * (v[1:] + v[:-1]) / 2) / (t[-1] - t[0]))
 
 
+def gain(run: Run) -> float:
+    """Expected accuracy at the last eval minus the pre-update value; nan without a pre-update eval."""
+    t, v = expected_curve(run)
+    return float(v[-1] - v[0]) if t.size >= 2 and t[0] == 0.0 else math.nan
+
+
 def regression_time(run: Run, frac: float = REGRESSION_FRAC, sustained: int = SUSTAINED) -> tuple[float, bool]:
     """(updates, True) at the first of `sustained` consecutive evals below frac x the pre-update value;
     (last eval's updates, False) when censored; (nan, False) without a pre-update eval."""
@@ -112,12 +119,14 @@ def outcomes_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
     table = {}
     for label, runs in groups.items():
         aucs, times = [auc(r) for r in runs], [regression_time(r) for r in runs]
-        ci = mean_ci(aucs)
+        ci, g = mean_ci(aucs), mean_ci([gain(r) for r in runs])
         known = [e for t, e in times if math.isfinite(t)]
         table[label] = {
             "seeds": [r.seed for r in runs], "auc": ci.mean, "auc_ci95": ci.half, "auc_n": ci.n,
+            "gain": g.mean, "gain_ci95": g.half, "gain_n": g.n,
             "regressed": sum(known), "with_initial_eval": len(known),
-            "per_seed": {"seed": [r.seed for r in runs], "auc": aucs, "regression_updates": [t for t, _ in times],
+            "per_seed": {"seed": [r.seed for r in runs], "auc": aucs, "gain": [gain(r) for r in runs],
+                         "regression_updates": [t for t, _ in times],
                          "regressed": [e for _, e in times]},
         }  # fmt: skip
     return table
@@ -125,17 +134,19 @@ def outcomes_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
 
 def format_outcomes(table: dict[str, dict[str, Any]]) -> str:
     """Markdown, one row per group."""
-    lines = ["| run | seeds | expected-acc AUC | seeds with sustained regression | at updates |", "|---" * 5 + "|"]
+    lines = ["| run | seeds | expected-acc AUC | gain (last − pre-update) | seeds with sustained regression "
+             "| at updates |", "|---" * 6 + "|"]
     for label, row in table.items():
         ps = row["per_seed"]
         at = ", ".join(f"{t:g} (seed {s})" for s, t, e in zip(ps["seed"], ps["regression_updates"], ps["regressed"],
                                                               strict=True) if e)  # fmt: skip
         reg = f"{row['regressed']}/{row['with_initial_eval']}" if row["with_initial_eval"] else "n/a"
         lines.append(f"| {label} | {len(row['seeds'])} | {MeanCI(row['auc'], row['auc_ci95'], row['auc_n']).format(3)} "
-                     f"| {reg} | {at or '–'} |")
+                     f"| {MeanCI(row['gain'], row['gain_ci95'], row['gain_n']).format(3)} | {reg} | {at or '–'} |")
     return "\n".join(lines) + (
         f"\n\nAUC: trapezoid area under `{KEY}` against updates done (the pre-update eval at 0), over its span: the "
-        f"run's mean expected accuracy; mean ± 95% CI over seeds. Sustained regression: below {REGRESSION_FRAC:g} x "
+        f"run's mean expected accuracy; gain: the last eval's value minus the pre-update one; both mean ± 95% CI "
+        f"over seeds. Sustained regression: below {REGRESSION_FRAC:g} x "
         f"the pre-update value at {SUSTAINED} evals in a row (n/a without a pre-update eval)."
     )
 

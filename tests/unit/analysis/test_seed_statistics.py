@@ -382,6 +382,20 @@ def test_auc_and_sustained_regression_by_hand():
     assert math.isnan(auc(old)) and math.isnan(regression_time(old)[0]) and not has_expected([old])
 
 
+def test_gain_is_the_last_eval_less_the_pre_update_one_and_the_table_averages_it_over_seeds():
+    """gain = expected accuracy at the last eval - before the first update (nan without the pre-update eval);
+    the outcomes table gives its mean and t-interval over seeds."""
+    from analysis.outcomes import format_outcomes, gain, outcomes_table
+
+    runs = [_expected_run("grpo", s, 0.5, {1: 0.7, 3: 0.3 + 0.1 * s}) for s in range(3)]  # gains -0.2, -0.1, 0
+    assert [gain(r) for r in runs] == pytest.approx([-0.2, -0.1, 0.0], abs=1e-15)
+    assert math.isnan(gain(_expected_run("grpo", 0, None, {0: 0.1, 1: 0.2})))
+    (row,) = outcomes_table({"grpo": runs}).values()
+    assert row["gain"] == pytest.approx(-0.1, abs=1e-15)
+    assert row["gain_ci95"] == pytest.approx(sps.t.ppf(0.975, 2) * 0.1 / np.sqrt(3), rel=1e-12)
+    assert "| -0.1 ± 0.25 |" in format_outcomes({"grpo": row})  # 3 significant digits
+
+
 def test_pairs_add_paired_auc_and_logrank_only_when_runs_have_expected_accuracy():
     """compare_pair adds the paired AUC difference (scipy ttest_rel) and the log-rank test of time to regression
     (equal to logrank on the hand times), keeps every seed's values, and leaves both out for old runs."""
