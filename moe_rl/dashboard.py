@@ -104,6 +104,7 @@ LENGTH_SEQS = Panel("sequences per length bin", regex=r"^length/\d+-\d+/seqs$")
 GRAD = Panel("gradient norm before clipping", ("train/grad_norm", "train/grad_norm/max"), log_y=True)
 GRAD_CLIP = Panel("updates clipped, and the scale clipping applied", ("train/grad_clipped_frac", "train/grad_clip_scale"))
 EXTREME_SHARE = Panel("gradient weight carried by extreme ratios", ("policy/extreme_weight_share",))
+LOAD_CV = Panel("expert load imbalance (CV over experts)", ("routing/load_cv/mean",))
 THROUGHPUT = Panel("throughput (tokens/s)", ("throughput/tokens_per_s", "throughput/sampler_tokens_per_s"))
 
 SECTIONS = (
@@ -170,6 +171,8 @@ REPORTS = (
     ReportSpec("replay_offpolicy", "R2 vs R3 vs off-policiness (arXiv 2512.01374): mismatch source x mini-batches",
                (*GROUPBY, "trainer.sampler_dtype", "routing.logit_noise", "trainer.mini_batches"),
                (EVAL, LOGP_DIFF, ROLLOUT_VS_OLD, KL, EVENTS_BY_KIND, EXTREMES, STAGES)),
+    ReportSpec("router_lr_calibration", "The router's learning rate as a natural volatility dose: calibration",
+               ("model.num_experts", "trainer.router_lr_scale"), (CHANGE, KL, LOAD_CV, PREDICTED, MARGINS, EVAL)),
 )  # fmt: skip
 
 
