@@ -173,6 +173,8 @@ REPORTS = (
                (EVAL, LOGP_DIFF, ROLLOUT_VS_OLD, KL, EVENTS_BY_KIND, EXTREMES, STAGES)),
     ReportSpec("router_lr_calibration", "The router's learning rate as a natural volatility dose: calibration",
                ("model.num_experts", "trainer.router_lr_scale"), (CHANGE, KL, LOAD_CV, PREDICTED, MARGINS, EVAL)),
+    ReportSpec("router_lr_dose", "Claim 1 under a faster router: GRPO vs GRPO + R2 vs GSPO at router lr x1 and x30",
+               (*GROUPBY, "trainer.router_lr_scale"), (EVAL, CHANGE, KL, LOAD_CV, EVENTS_BY_KIND, EXTREMES)),
 )  # fmt: skip
 
 
