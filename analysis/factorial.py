@@ -1,0 +1,155 @@
+"""A dose crossed with the arms: each arm's dose effect and the difference in differences, by warm start.
+
+When a sweep crosses the objective arms with a dose that acts on every arm alike (FACTORS:
+`trainer.router_lr_scale`, the router's own learning rate, whose re-routing the replay arms' policies
+undergo too), the question is not whether an arm is worse at the high dose but whether the dose costs it
+more than it costs another arm. Unlike the noise-dose section (analysis.drift), no arm is taken as
+dose-free: every arm runs at every level, and every contrast pairs runs of one unit.
+
+Per run, the outcome y is the expected-accuracy AUC (analysis.outcomes.auc) where the runs logged it,
+else the final held-out accuracy. A unit u is (warm start, RL seed) in a sweep over several warm starts
+with RL seeds on each (analysis.clusters, CLUSTERED), else the RL seed. With l the lowest level of the
+dose and h a higher one:
+
+| contrast | per unit | judged by |
+|---|---|---|
+| dose effect of arm a at h | e_a,u(h) = y_a,u(h) − y_a,u(l) | the mean over a warm start's seeds, then a Student t over warm starts (analysis.clusters.cluster_contrast), with σ² between, σ² within and the ICC |
+| difference in differences, a against b at h | D_ab,u(h) = e_a,u(h) − e_b,u(h) | the same |
+
+A D below 0 says the dose costs a more than b. In a sweep of one warm start the t runs over RL seeds and
+is conditional on that warm start (each seed is then its own cluster, so no ICC is given).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from analysis.clusters import CLUSTERED, MIN_WARM_STARTS, cluster_contrast, detect_design, warm_start_id
+from analysis.compare import last_value
+from analysis.load import Run, group_label, sort_key
+from analysis.outcomes import auc, has_expected
+from analysis.sections import Section, Sweep, doc_intro
+from analysis.stats import MIN_SEEDS, verdict
+
+FACTORS = ("trainer.router_lr_scale",)
+"""Doses that act on every arm (the replay arms included), so that each arm needs its own runs at each level."""
+
+Values = dict[tuple, dict[int, float]]
+"""{cluster: {RL seed: value}}, as analysis.clusters.cluster_contrast takes them."""
+
+
+def factor_field(fields: Sequence[str], runs: Sequence[Run]) -> str | None:
+    """The first of FACTORS that the sweep varies over two or more levels, else None."""
+    for field in FACTORS:
+        if field in fields and len({run.flat.get(field) for run in runs}) >= 2:
+            return field
+    return None
+
+
+def outcome_of(runs: Sequence[Run]) -> tuple[str, Callable[[Run], float]]:
+    """(name, per-run value): the expected-acc AUC where logged, else the last held-out accuracy."""
+    if has_expected(list(runs)):
+        return "expected-acc AUC", auc
+    return "final eval acc", lambda run: last_value(run.rows, "eval/accuracy")
+
+
+def cells(runs: Sequence[Run], factor: str, others: Sequence[str], clustered: bool,
+          y: Callable[[Run], float]) -> dict[str, dict[Any, Values]]:
+    """{arm: {level: {cluster: {seed: y}}}}; an arm is the group label without the factor, a cluster the
+    warm start (CLUSTERED) or the seed itself (each seed its own cluster, value under seed 0)."""
+    out: dict[str, dict[Any, Values]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    for run in runs:
+        key, seed = ((warm_start_id(run), run.seed) if clustered else ((run.seed,), 0))
+        out[group_label(run, list(others))][run.flat.get(factor)][key][seed] = float(y(run))
+    return out
+
+
+def effect(high: Values, low: Values) -> Values:
+    """Per unit, high − low, over the units both levels ran with a finite value."""
+    out: Values = {}
+    for w in high.keys() & low.keys():
+        shared = {s: high[w][s] - low[w][s] for s in high[w].keys() & low[w].keys()
+                  if math.isfinite(high[w][s]) and math.isfinite(low[w][s])}
+        if shared:
+            out[w] = shared
+    return out
+
+
+def _row(kind: str, a: str, b: str | None, level: Any, low: Any, values_a: Values, values_b: Values,
+         clustered: bool) -> dict[str, Any]:
+    c = cluster_contrast(values_a, values_b)
+    unit, least = ("warm start(s)", MIN_WARM_STARTS) if clustered else ("seed(s)", MIN_SEEDS)
+    return {"kind": kind, "a": a, "b": b, "level": level, "low": low, "diff": c.diff, "lo": c.lo, "hi": c.hi,
+            "p": c.p, "clusters": c.warm_starts, "runs": c.runs, "var_between": c.var_between,
+            "var_within": c.var_within, "icc": c.icc, "per_cluster": list(c.per_warm_start),
+            "verdict": verdict(c.difference(), min_seeds=least).replace("seed(s)", unit)}  # fmt: skip
+
+
+def dose_interaction(sweep: Sweep) -> dict[str, Any] | None:
+    """Each arm's dose effect and every pair of arms' difference in differences at each level above the
+    lowest (module docstring); None when the sweep varies no FACTORS field or runs one arm."""
+    factor = factor_field(sweep.fields, sweep.runs)
+    if factor is None:
+        return None
+    others = [f for f in sweep.fields if f != factor]
+    clustered = detect_design(sweep.runs).kind == CLUSTERED
+    name, y = outcome_of(sweep.runs)
+    table = cells(sweep.runs, factor, others, clustered, y)
+    rows = []
+    effects: dict[str, dict[Any, Values]] = {}
+    for arm, by_level in table.items():
+        levels = sorted(by_level, key=sort_key)
+        low = levels[0]
+        effects[arm] = {h: effect(by_level[h], by_level[low]) for h in levels[1:]}
+        for h, e in effects[arm].items():
+            zero = {w: dict.fromkeys(seeds, 0.0) for w, seeds in e.items()}
+            rows.append(_row("dose effect", arm, None, h, low, e, zero, clustered))
+    for a, b in itertools.combinations(effects, 2):
+        for h in effects[a].keys() & effects[b].keys():
+            low = sorted(table[a], key=sort_key)[0]
+            rows.append(_row("difference in differences", a, b, h, low, effects[a][h], effects[b][h], clustered))
+    if not any(r["kind"] == "difference in differences" for r in rows):
+        return None
+    return {"factor": factor, "outcome": name, "clustered": clustered, "rows": rows}
+
+
+def _num(x: float, fmt: str = ".3g") -> str:
+    return f"{x:{fmt}}" if math.isfinite(x) else "n/a"
+
+
+def format_interaction(result: dict[str, Any]) -> str:
+    """Markdown: the dose effects, then the differences in differences, each with its interval and words."""
+    f, unit = result["factor"], ("warm starts" if result["clustered"] else "seeds (one warm start)")
+    head = (f"| contrast | at {f} | estimate | 95% CI (t over {unit}) | p | {unit} | runs | σ² between | ICC |",
+            "|---" * 9 + "|")
+    lines, words = list(head), []
+    for r in result["rows"]:
+        what = (f"{r['a']}: x{r['level']:g} − x{r['low']:g}" if r["b"] is None
+                else f"[{r['a']}] − [{r['b']}], each x{r['level']:g} − x{r['low']:g}")
+        lines.append(f"| {what} | {r['level']:g} | {_num(r['diff'], '+.3g')} | [{_num(r['lo'])}, {_num(r['hi'])}] "
+                     f"| {_num(r['p'])} | {r['clusters']} | {r['runs']} | {_num(r['var_between'])} "
+                     f"| {_num(r['icc'], '.2f')} |")
+        words.append(f"- {r['kind']}, {what}: {_num(r['diff'], '+.3g')} [{_num(r['lo'])}, {_num(r['hi'])}]: "
+                     f"{r['verdict']}.")
+    note = (f"Outcome: {result['outcome']} per run. A dose effect is an arm's outcome at the level less at "
+            f"x{result['rows'][0]['low']:g}, paired within a unit; a difference in differences is one arm's "
+            "dose effect less another's (below 0: the dose costs the first arm more). "
+            + ("Per warm start the mean over its RL seeds, then a Student t over warm starts; σ² between and "
+               "the ICC as in analysis.clusters." if result["clustered"] else
+               "A paired t over RL seeds, conditional on one warm start."))
+    return "\n\n".join(["\n".join(lines), note, "\n".join(words)])
+
+
+SECTION = Section(
+    name="dose_interaction",
+    heading="Dose effects and differences in differences",
+    intro=doc_intro(__doc__).split("\n\n")[0],
+    file="dose_interaction.md",
+    applies=lambda sweep: factor_field(sweep.fields, sweep.runs) is not None,
+    compute=dose_interaction,
+    markdown=format_interaction,
+)
