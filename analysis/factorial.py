@@ -101,17 +101,16 @@ def dose_interaction(sweep: Sweep) -> dict[str, Any] | None:
     table = cells(sweep.runs, factor, others, clustered, y)
     rows = []
     effects: dict[str, dict[Any, Values]] = {}
+    lows: dict[str, Any] = {}
     for arm, by_level in table.items():
-        levels = sorted(by_level, key=sort_key)
-        low = levels[0]
-        effects[arm] = {h: effect(by_level[h], by_level[low]) for h in levels[1:]}
+        low, *highs = sorted(by_level, key=sort_key)
+        lows[arm], effects[arm] = low, {h: effect(by_level[h], by_level[low]) for h in highs}
         for h, e in effects[arm].items():
             zero = {w: dict.fromkeys(seeds, 0.0) for w, seeds in e.items()}
             rows.append(_row("dose effect", arm, None, h, low, e, zero, clustered))
     for a, b in itertools.combinations(effects, 2):
-        for h in effects[a].keys() & effects[b].keys():
-            low = sorted(table[a], key=sort_key)[0]
-            rows.append(_row("difference in differences", a, b, h, low, effects[a][h], effects[b][h], clustered))
+        for h in sorted(effects[a].keys() & effects[b].keys(), key=sort_key):
+            rows.append(_row("difference in differences", a, b, h, lows[a], effects[a][h], effects[b][h], clustered))
     if not any(r["kind"] == "difference in differences" for r in rows):
         return None
     return {"factor": factor, "outcome": name, "clustered": clustered, "rows": rows}

@@ -118,14 +118,14 @@ def outcomes_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
     with a pre-update eval, and every seed's AUC and (updates, regressed) under "per_seed"."""
     table = {}
     for label, runs in groups.items():
-        aucs, times = [auc(r) for r in runs], [regression_time(r) for r in runs]
-        ci, g = mean_ci(aucs), mean_ci([gain(r) for r in runs])
+        aucs, gains, times = [auc(r) for r in runs], [gain(r) for r in runs], [regression_time(r) for r in runs]
+        ci, g = mean_ci(aucs), mean_ci(gains)
         known = [e for t, e in times if math.isfinite(t)]
         table[label] = {
             "seeds": [r.seed for r in runs], "auc": ci.mean, "auc_ci95": ci.half, "auc_n": ci.n,
             "gain": g.mean, "gain_ci95": g.half, "gain_n": g.n,
             "regressed": sum(known), "with_initial_eval": len(known),
-            "per_seed": {"seed": [r.seed for r in runs], "auc": aucs, "gain": [gain(r) for r in runs],
+            "per_seed": {"seed": [r.seed for r in runs], "auc": aucs, "gain": gains,
                          "regression_updates": [t for t, _ in times],
                          "regressed": [e for _, e in times]},
         }  # fmt: skip

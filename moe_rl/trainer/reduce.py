@@ -39,19 +39,14 @@ from moe_rl.trainer.step_metrics import (
 
 @dataclass(frozen=True)
 class Counts:
-    """Rows, response tokens and valid forward positions of a slice of the batch (what means weigh by)."""
+    """Response tokens and valid forward positions of a slice of the batch (what the pooled means weigh by)."""
 
-    rows: float
     tokens: float
     positions: float
 
     @classmethod
     def of(cls, batch: Batch, sl: slice = slice(None)) -> Counts:
-        return cls(
-            float(batch.response_mask_BR[sl].shape[0]),
-            float(batch.response_mask_BR[sl].sum()),
-            float(batch.valid_BS1[sl].sum()),
-        )
+        return cls(float(batch.response_mask_BR[sl].sum()), float(batch.valid_BS1[sl].sum()))
 
 
 @dataclass
