@@ -321,6 +321,43 @@ class TrainerConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """When the rollouts a step trains on were sampled: bounded staleness (moe_rl/trainer/stale.py).
+
+    Step t trains on rollouts the policy of step t - k sampled (the weights at the start of step t - k;
+    the first k steps' come from the initial policy, so their staleness is t). The behaviour policy is
+    then the stale sampler and the proximal policy of the clip is the trainer's policy at the start of
+    step t, as AReaL's decoupled PPO has it (docs/objectives.md)."""
+
+    staleness: int = 0
+    """k, in RL steps (policy versions). 0: today's loop, each step samples with its own weights."""
+    overlap: bool = False
+    """False (default): deterministic staleness. Each step samples the rollouts of step t + k with its
+    weights and keeps them until then, so runs are reproducible and resume bit-exactly. True: a background
+    thread samples steps t + 1 ... t + k with its own copy of the policy while the trainer trains step t,
+    and takes the trainer's weights after every optimizer step of the trainer's RL steps (each rollout
+    records the version that sampled it: `staleness/*`). Needs staleness >= 1 and one process."""
+    sampler_threads: int = 0
+    """With overlap: the background sampler's torch threads; 0 gives it half the cores (at least 1), and
+    trainer.threads=0 then gives the trainer the rest."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field (the checks that read rollout.* alone)."""
+        if self.staleness < 0:
+            raise ValueError(
+                f"rollout.staleness={self.staleness}: must be >= 0 (the number of steps a rollout waits; 0 samples "
+                "with each step's own weights)"
+            )
+        if self.sampler_threads < 0:
+            raise ValueError(f"rollout.sampler_threads={self.sampler_threads}: must be >= 0 (0: half the cores)")
+        if self.overlap and self.staleness < 1:
+            raise ValueError(
+                "rollout.overlap=true samples ahead while the trainer trains, so it needs rollout.staleness >= 1 "
+                "(the steps the sampler may run ahead)"
+            )
+
+
+@dataclass
 class WarmStartConfig:
     """Supervised warm start before RL (see moe_rl.warmstart for the stopping rule and the cache)."""
 
@@ -567,6 +604,7 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
@@ -578,7 +616,7 @@ class Config:
     """Continue from the run folder's last checkpoint (checkpoint.pt, or checkpoint.prev.pt when the
     latest is corrupt). A finished run is left as it is; a folder without a checkpoint starts fresh; a
     config that differs from the checkpoint's outside trainer.steps, trainer.checkpoint_every,
-    trainer.threads, trainer.dist_timeout_s, warmstart.cache_dir, model.tokenizer_cache_dir and logger.* is
+    trainer.threads, rollout.sampler_threads, trainer.dist_timeout_s, warmstart.cache_dir, model.tokenizer_cache_dir and logger.* is
     refused."""
     resume_force: bool = False
     """With resume=true: continue even when the config differs from the checkpoint's (a warning lists
@@ -625,6 +663,7 @@ class Config:
             )
         t.validate()
         self._validate_sampler_reuse()
+        self._validate_staleness()
         if self.task.chat_template and self.warmstart.enabled:
             raise ValueError(
                 "task.chat_template=true needs warmstart.enabled=false: the warm start trains on plain prompts"
@@ -667,6 +706,27 @@ class Config:
                 "trainer.reuse_sampler_logp=true takes the sampler's log-probs and routes as the old policy's, "
                 "which holds only for the trained model itself, not for sampler.engine=vllm: set "
                 "trainer.reuse_sampler_logp=false"
+            )
+
+    def _validate_staleness(self) -> None:
+        """rollout.staleness against the run's length and the sampler (RolloutConfig)."""
+        ro, t = self.rollout, self.trainer
+        ro.validate()
+        if ro.staleness and ro.staleness >= t.steps:
+            raise ValueError(
+                f"rollout.staleness={ro.staleness} must be below trainer.steps={t.steps}: no step would train on "
+                "a rollout of a policy it has trained"
+            )
+        if ro.staleness and t.reuse_sampler_logp:
+            raise ValueError(
+                f"rollout.staleness={ro.staleness} with trainer.reuse_sampler_logp=true: the stale sampler's "
+                "log-probs are not the proximal policy's (this step's old-policy forward); set "
+                "trainer.reuse_sampler_logp=false"
+            )
+        if ro.overlap and self.sampler.engine == "vllm":
+            raise ValueError(
+                "rollout.overlap=true is not available with sampler.engine=vllm (its in-process engine cannot "
+                "sample on a thread beside the trainer): set rollout.overlap=false (deterministic staleness)"
             )
 
     def _validate_dataset_options(self) -> None:

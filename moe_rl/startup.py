@@ -97,7 +97,8 @@ def check_world(t: TrainerConfig, world: int) -> None:
 
 
 def check_launch(cfg: Config, world: int) -> None:
-    """What `world` processes allow beyond `check_world`: vLLM (installed, in one process) and FSDP's
+    """What `world` processes allow beyond `check_world`: vLLM (installed, in one process), an overlapped
+    sampler (one process) and FSDP's
     low-precision shards (no master weights). Before the warm start: a missing extra or launcher fails at once."""
     if cfg.sampler.engine == "vllm":
         # Imported here, as every import of transformers' model code: moe-rl-train imports this module at once.
@@ -109,6 +110,11 @@ def check_launch(cfg: Config, world: int) -> None:
                 f"sampler.engine=vllm runs in one process, not under torchrun with {world}: launch "
                 "without torchrun, or set sampler.engine=hf"
             )
+    if cfg.rollout.overlap and world > 1:
+        raise ValueError(
+            f"rollout.overlap=true runs its background sampler in one process, not under torchrun with {world}: "
+            "set rollout.overlap=false (deterministic staleness works under torchrun)"
+        )
     t = cfg.trainer
     sharded = world > 1 and t.parallel == "fsdp"
     if sharded and t.master_weights and cfg.model.dtype in ("bfloat16", "float16"):

@@ -26,7 +26,15 @@ import torch
 
 from moe_rl import reduction as S
 from moe_rl.objectives.common import AGGREGATIONS, SEQ_MEAN_TOKEN_MEAN
-from moe_rl.objectives.surrogate import Objective, Prepared, Ratio, Surrogate, broadcast, seq_ratio, token_ratio
+from moe_rl.objectives.surrogate import (
+    Objective,
+    Prepared,
+    Ratio,
+    Surrogate,
+    broadcast,
+    seq_ratio,
+    token_ratio,
+)
 
 
 def soft_gate(ratio: Ratio, p: Prepared) -> Surrogate:

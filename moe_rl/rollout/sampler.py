@@ -105,6 +105,8 @@ class Rollout:
     routing: the sampler's trace over the S - 1 positions it fed (prefill + each decode step), or None.
     texts: decoded responses without special tokens.
     support: each response token's top-p support (sampler.keep_sampling_mask with top_p < 1), else None.
+    version: the RL steps the sampling weights had trained, when they may be older than the step that trains
+        on the rollout (rollout.staleness: moe_rl/trainer/stale.py); None: the current step's weights.
     """
 
     prompt_ids_BP: torch.Tensor
@@ -116,6 +118,7 @@ class Rollout:
     routing: RoutingTrace | None
     texts: list[str]
     support: SamplingSupport | None = None
+    version: int | None = None
 
     @property
     def input_ids_BS(self) -> torch.Tensor:

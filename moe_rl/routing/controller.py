@@ -38,6 +38,7 @@ So under checkpointing, run backward before the next forward of the model.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 import torch
@@ -316,6 +317,19 @@ class RoutingController:
             self._recorder.add_tokens(ids_BT)
         if self._replayer is not None:
             self._replayer.check_tokens(ids_BT)
+
+    def detached_copy(self, model: nn.Module) -> nn.Module:
+        """A deep copy of `model` (the instrumented one) without this controller's hooks: `copy.deepcopy`
+        copies a module's hooks, so a plain copy would report its forwards to this controller too (and,
+        run on another thread, into this controller's open recording)."""
+        copy_ = copy.deepcopy(model)
+        ids = {h.id for h in self._handles}
+        for module in copy_.modules():
+            for hooks in (module._forward_hooks, module._forward_pre_hooks, module._forward_hooks_with_kwargs,
+                          module._forward_pre_hooks_with_kwargs, module._forward_hooks_always_called):
+                for i in ids & set(hooks):
+                    del hooks[i]
+        return copy_
 
     def remove(self) -> None:
         """Remove every hook; the model is as it was."""

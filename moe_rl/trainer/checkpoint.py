@@ -179,6 +179,7 @@ RESUME_SAFE = (
     "trainer.steps",
     "trainer.checkpoint_every",
     "trainer.threads",
+    "rollout.sampler_threads",
     "trainer.dist_timeout_s",
     "warmstart.cache_dir",
     "model.tokenizer_cache_dir",  # where a BPE is kept; its content hash decides which one is read

@@ -99,6 +99,8 @@ class StepRecord:
     """The logit-noise scale that re-routes mini-batch 2 beyond the old forward (RoutingPlan.noise_sigma)."""
     drift_minibatches: range | None = None
     """The mini-batches `routing/drift/applied_frac` pools over, or None when drift is off."""
+    sampler_shift: tuple[float, float] | None = None
+    """A stale rollout's [Σ centred logit shift², elements] from the sampler to the proximal forward."""
 
 
 def _pooled(values: list[list[float]], weights: list[float]) -> torch.Tensor:
@@ -153,7 +155,8 @@ def reduce_step(
     if record.margins is not None:  # every rank's margins, pooled: exact order statistics
         shift = [res[1].change.shift for res in per_rank] if M > 1 else []
         margins = [m for r in ranks for m in r["record"].margins]
-        metrics.update(margin_metrics(margins, shift, record.noise_sigma, record.top_k))
+        sampler_shift = [r["record"].sampler_shift for r in ranks if r["record"].sampler_shift is not None]
+        metrics.update(margin_metrics(margins, shift, record.noise_sigma, record.top_k, sampler_shift))
     metrics.update(S.values(S.combine([r["record"].local for r in ranks])))
     return metrics, ratio_extremes(per_mb)
 

@@ -78,6 +78,7 @@ from moe_rl.trainer.logging import (
 )
 from moe_rl.trainer.precision import make_optimizer, router_param_groups
 from moe_rl.trainer.samplers import CopySampler, Draws, PolicySampler, Sampler, VllmSampler, chat_prompt
+from moe_rl.trainer.stale import OverlapSampler, StaleSampler, thread_split
 from moe_rl.trainer.step import StepContext, rl_step
 from moe_rl.warmstart import warm_start
 
@@ -205,13 +206,25 @@ def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws
             max_rows=t.prompts_per_step * t.group_size,
             routers=(controller.num_layers, controller.num_experts),
         )
-        return VllmSampler(draws, engine)
-    hf = dict(config=cfg.sampler, generator=sample_gen, record_logits=t.reuse_sampler_logp,
+        return _stale(cfg, VllmSampler(draws, engine))
+    ro = cfg.rollout
+    # A stale sampler records its router logits: the margin prediction of its change (routing/margin/*).
+    hf = dict(config=cfg.sampler, generator=sample_gen, record_logits=t.reuse_sampler_logp or ro.staleness > 0,
               all_done=dist.all_done if sharded else None)
-    if t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype:
-        copy_ = copy.deepcopy(model).to(getattr(torch, t.sampler_dtype)).eval().requires_grad_(False)
-        return CopySampler(draws, copy_, RoutingController(copy_), tokenizer, **hf)
-    return PolicySampler(draws, model, controller, tokenizer, **hf)
+    if ro.overlap:  # the background thread samples with a copy of its own, at the sampler's dtype
+        hf["generator"] = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)
+    if ro.overlap or (t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype):
+        copy_ = controller.detached_copy(model).to(getattr(torch, t.sampler_dtype or cfg.model.dtype)).eval().requires_grad_(False)
+        return _stale(cfg, CopySampler(draws, copy_, RoutingController(copy_), tokenizer, **hf))
+    return _stale(cfg, PolicySampler(draws, model, controller, tokenizer, **hf))
+
+
+def _stale(cfg: Config, sampler: Sampler) -> Sampler:
+    """`sampler` as rollout.staleness asks (moe_rl/trainer/stale.py): itself at 0."""
+    ro = cfg.rollout
+    if ro.overlap:
+        return OverlapSampler(sampler, ro.staleness, cfg.trainer.steps, thread_split(cfg.trainer.threads, ro.sampler_threads)[1])
+    return StaleSampler(sampler, ro.staleness) if ro.staleness else sampler
 
 
 def _first_of(events: list[CollapseEvent], step: int, kinds: set[str]) -> dict | None:
@@ -232,15 +245,25 @@ def _state(ctx: StepContext, next_step: int, hydra: dict[str, str], run_id: str)
         "scheduler": ctx.scheduler.state_dict(),
         "detector": ctx.detector.state_dict(),
         "rng": rng_state({"sample": ctx.sample_gen, "shuffle": ctx.shuffle_gen}),
+        "sampler": ctx.sampler.state_dict(),  # rollouts sampled ahead (rollout.staleness)
     }
 
 
 def _restore(ctx: StepContext, state: dict) -> int:
+    cfg = ctx.cfg
     load_state_dicts(ctx.model, ctx.optimizer, state["model"], state["optimizer"], ctx.sharded)
     ctx.scheduler.load_state_dict(state["scheduler"])
     ctx.detector.load_state_dict(state["detector"])
     set_rng_state(state["rng"], {"sample": ctx.sample_gen, "shuffle": ctx.shuffle_gen})
     ctx.sampler.sync(ctx.model)
+    ctx.sampler.load_state_dict(state.get("sampler", {}))
+    if cfg.rollout.overlap:
+        k = cfg.rollout.staleness
+        warnings.warn(
+            f"rollout.overlap=true: the rollouts in flight when the run stopped were lost with it; steps "
+            f"{state['step']}-{state['step'] + k} are sampled again with the restored policy (version {state['step']})",
+            RuntimeWarning, stacklevel=3,
+        )
     return state["step"]
 
 
@@ -343,8 +366,9 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
         restore_hydra_files(run_dir, hydra_record)
     rid = dist.broadcast(rid)
     hydra = state.get("hydra", {}) if state else hydra_files(run_dir)
-    if cfg.trainer.threads:
-        torch.set_num_threads(cfg.trainer.threads)
+    threads = thread_split(cfg.trainer.threads, cfg.rollout.sampler_threads)[0] if cfg.rollout.overlap else cfg.trainer.threads
+    if threads:
+        torch.set_num_threads(threads)
     origin = provenance(cfg.trainer.device)  # after the thread count is set: it is part of the record
     ctx, info = build_context(cfg, dist)
     start = _restore(ctx, state) if state else 0
@@ -389,51 +413,52 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
     # Before the first update, in step 0's row. A resumed run (start > 0) kept that row: not repeated.
     initial = initial_metrics(evaluation()) if start == 0 and cfg.eval.enabled and cfg.eval.at_start else {}
     stops = set(cfg.collapse.stop_kinds) if cfg.collapse.stop_on_collapse else set()
-    for step in bar:
-        metrics = rl_step(ctx, step)
-        if step == start and initial:
-            metrics.update(initial)
-            ctx.detector.observe_eval(step, initial, prefix="eval/initial/")  # the reference's first point
-        steps_done = step + 1
-        last = step + 1 == cfg.trainer.steps
-        stopped_on = _first_of(ctx.detector.events, step, stops)
-        if cfg.eval.due(step, last or bool(stopped_on)):
-            after = evaluation()
-            after["time/eval_s"] += metrics.get("time/eval_s", 0.0)  # the initial eval's, in step 0's row
-            metrics.update(after)
-            ctx.detector.observe_eval(step, after)
-            stopped_on = stopped_on or _first_of(ctx.detector.events, step, stops)
-        new = [e for e in ctx.detector.events if e.step == step]
-        metrics["collapse/events"] = float(len(ctx.detector.events))
-        metrics["collapse/new_events"] = float(len(new))
-        metrics.update(counts_by_kind(ctx.detector.events))
-        metrics.update(blowup_counts(ctx.detector.events))
-        local.log(step, metrics)
-        wb.log(metrics, step=step)
-        for event in new:
-            local.event(dataclasses.asdict(event))
-            alerts(dataclasses.asdict(event))
-        bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", events=len(ctx.detector.events))
-        if (
-            last
-            or stopped_on
-            or (cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0)
-        ):
-            state = _state(ctx, step + 1, hydra, rid)
-            if dist.main:
-                _save(run_dir, state)
-            if dist.main and (last or stopped_on or cfg.trainer.export_hf):
-                export_policy(
-                    run_dir,
-                    ctx.model,
-                    ctx.tokenizer,
-                    config=config_dict,
-                    step=step + 1,
-                    metrics=metrics,
-                    state_dict=state["model"] if ctx.sharded else None,
-                )
-        if stopped_on:
-            break
+    with contextlib.closing(ctx.sampler):  # stops a background sampler (rollout.overlap) however the loop ends
+        for step in bar:
+            metrics = rl_step(ctx, step)
+            if step == start and initial:
+                metrics.update(initial)
+                ctx.detector.observe_eval(step, initial, prefix="eval/initial/")  # the reference's first point
+            steps_done = step + 1
+            last = step + 1 == cfg.trainer.steps
+            stopped_on = _first_of(ctx.detector.events, step, stops)
+            if cfg.eval.due(step, last or bool(stopped_on)):
+                after = evaluation()
+                after["time/eval_s"] += metrics.get("time/eval_s", 0.0)  # the initial eval's, in step 0's row
+                metrics.update(after)
+                ctx.detector.observe_eval(step, after)
+                stopped_on = stopped_on or _first_of(ctx.detector.events, step, stops)
+            new = [e for e in ctx.detector.events if e.step == step]
+            metrics["collapse/events"] = float(len(ctx.detector.events))
+            metrics["collapse/new_events"] = float(len(new))
+            metrics.update(counts_by_kind(ctx.detector.events))
+            metrics.update(blowup_counts(ctx.detector.events))
+            local.log(step, metrics)
+            wb.log(metrics, step=step)
+            for event in new:
+                local.event(dataclasses.asdict(event))
+                alerts(dataclasses.asdict(event))
+            bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", events=len(ctx.detector.events))
+            if (
+                last
+                or stopped_on
+                or (cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0)
+            ):
+                state = _state(ctx, step + 1, hydra, rid)
+                if dist.main:
+                    _save(run_dir, state)
+                if dist.main and (last or stopped_on or cfg.trainer.export_hf):
+                    export_policy(
+                        run_dir,
+                        ctx.model,
+                        ctx.tokenizer,
+                        config=config_dict,
+                        step=step + 1,
+                        metrics=metrics,
+                        state_dict=state["model"] if ctx.sharded else None,
+                    )
+            if stopped_on:
+                break
     bar.close()
     if not metrics and dist.main and start > 0:  # nothing left to run: the summary reports the last step
         rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []

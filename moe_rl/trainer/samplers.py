@@ -7,6 +7,8 @@ weights after it. Three implementations; the step holds one and never asks which
 | `CopySampler` | a copy of the policy at trainer.sampler_dtype | loads the weights, cast: seconds |
 | `VllmSampler` | the vLLM engine (sampler.engine=vllm) | the engine's weight reload: seconds |
 
+Each of them samples stale when wrapped by moe_rl/trainer/stale.py (rollout.staleness > 0).
+
 Every sampler draws the same prompts: step t's are the task's train examples for seed (seed·1_000_003 +
 t), each repeated for its group of G completions, and this rank samples only its contiguous share of the
 P x G rows (`Shard`), so a group's completions stay on one rank. Shape legend as in step.py.
@@ -93,9 +95,33 @@ class Sampler(Protocol):
         """Fail at start-up, in one line, where this sampler cannot compute the trained model's function."""
         ...
 
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold to resume this sampler exactly (rollouts sampled ahead: stale.py)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        ...
+
+    def close(self) -> None:
+        """Stop whatever the sampler runs beside the trainer (stale.py's background thread)."""
+        ...
+
+
+class Stateless:
+    """A sampler that keeps nothing between steps: an empty checkpoint entry and nothing to stop."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 
 @dataclass
-class PolicySampler:
+class PolicySampler(Stateless):
     """Samples with `model` (the trained model itself) under `controller`'s recording."""
 
     draws: Draws
@@ -150,7 +176,7 @@ class CopySampler(PolicySampler):
 
 
 @dataclass
-class VllmSampler:
+class VllmSampler(Stateless):
     """Samples with the vLLM engine (sampler.engine=vllm; moe_rl.rollout.vllm_engine)."""
 
     draws: Draws

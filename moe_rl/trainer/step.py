@@ -60,7 +60,12 @@ from moe_rl.trainer.reduce import (
     routing_change,
 )
 from moe_rl.trainer.samplers import Sampler, Shard, chat_prompt
-from moe_rl.trainer.step_metrics import minibatch_overlap, response_margins, routing_metrics
+from moe_rl.trainer.step_metrics import (
+    minibatch_overlap,
+    response_margins,
+    routing_metrics,
+    staleness_metrics,
+)
 
 
 @dataclass
@@ -95,8 +100,9 @@ class StepContext:
         if self.train_model is None:
             self.train_model = self.model
         if self.objective is None:
-            self.objective = ObjectiveSettings.of(self.cfg, mismatch=self.cfg.trainer.sampler_dtype is not None
-                                                  or self.cfg.sampler.engine == "vllm")
+            cfg = self.cfg  # the sampler's log-probs differ from the old policy's: its precision, engine or age
+            self.objective = ObjectiveSettings.of(cfg, mismatch=cfg.trainer.sampler_dtype is not None
+                                                  or cfg.sampler.engine == "vllm" or cfg.rollout.staleness > 0)
 
     @property
     def shard(self) -> Shard:
@@ -346,6 +352,11 @@ def step_record(
     old_trace = old.trace
     local = routing_metrics(batch, old_trace, old.logp_BR, plan.replay_cache_bytes(old_trace))
     local.update(minibatch_overlap(batch, batch.perm_B // t.group_size, batch.minibatches))
+    sampler_shift = None
+    if roll.version is not None:  # a stale sampler's rollout (rollout.staleness)
+        stale, sampler_shift = staleness_metrics(batch, old_trace, response_positions(batch, slice(None)),
+                                                 plan.step - roll.version)
+        local.update(stale)
     tokens = int(batch.valid_BS1.sum()) + len(batch.perm_B)
     seconds = {"time/step_s": t3 - t0, "time/rollout_s": t1 - t0, "time/old_forward_s": t2 - t1,
                "time/train_s": t3 - t2}
@@ -364,4 +375,5 @@ def step_record(
         lr=ctx.scheduler.get_last_lr()[0],
         noise_sigma=plan.noise_sigma(1),
         drift_minibatches=plan.drift_minibatches(t.mini_batches) if plan.measures_drift() else None,
+        sampler_shift=sampler_shift,
     )

@@ -11,6 +11,8 @@ from moe_rl import reduction as S
 from moe_rl.objectives.common import extreme_weight_share
 from moe_rl.routing import (
     RoutingTrace,
+    centred_shift_sq,
+    expert_change_by_layer,
     expert_change_fraction,
     expert_load,
     margin_summary,
@@ -122,6 +124,30 @@ def routing_metrics(
     return out
 
 
+def staleness_metrics(
+    batch: Batch, old_trace: RoutingTrace, response_BS1: torch.Tensor, staleness: int
+) -> tuple[S.Stats, tuple[float, float] | None]:
+    """A stale rollout's metrics (rollout.staleness; every row shares the sampler's version): `staleness/*`
+    in versions, and the expert change from the stale sampler's routing to the proximal (old-policy)
+    forward's on the response positions, pooled and per layer, each pooled over ranks weighted by response
+    tokens; with both traces' logits, also [Σ centred logit shift², elements] there (for the margin
+    prediction of that change, `reduce_step`)."""
+    tokens = float(batch.response_mask_BR.sum())
+    out = {"staleness/mean": S.weighted(float(staleness), float(len(batch.adv_B))),
+           "staleness/max": S.Stat("max", (float(staleness),))}
+    trace, shift = batch.sampler_trace, None
+    if trace is None:
+        return out, shift
+    at = response_BS1.to(trace.expert_ids_BTLK.device)
+    layers_L = expert_change_by_layer(trace, old_trace, at)
+    out["routing/expert_change/vs_sampler"] = S.weighted(float(layers_L.mean()), tokens)
+    out.update({f"routing/expert_change/vs_sampler/layer_{i}": S.weighted(float(v), tokens) for i, v in enumerate(layers_L)})
+    if trace.router_logits_BTLE is not None and old_trace.router_logits_BTLE is not None:
+        prox = old_trace.router_logits_BTLE[at.to(old_trace.router_logits_BTLE.device)]
+        shift = (centred_shift_sq(prox, trace.router_logits_BTLE[at].to(prox)), float(prox.numel()))
+    return out, shift
+
+
 def change_metrics(changes: list[torch.Tensor], response: list[float]) -> dict[str, float]:
     """Expert-change metrics from each mini-batch's per-layer change `[L]` and its change over response
     positions (metric table in __init__.py)."""
@@ -145,12 +171,15 @@ def response_margins(old_trace: RoutingTrace, response_BS1: torch.Tensor, top_k:
 
 
 def margin_metrics(
-    margins: list[list[float]], shift: list[tuple[float, float]], sigma: float, top_k: int
+    margins: list[list[float]], shift: list[tuple[float, float]], sigma: float, top_k: int,
+    sampler_shift: list[tuple[float, float]] | None = None,
 ) -> dict[str, float]:
     """`routing/margin/*` over every rank's margins `[N][L]` (pooled, so the order statistics are exact),
     `routing/logit_shift/after_one_update` from each rank's [Σ centred shift², elements] on mini-batch 2,
     and the expert change those predict after one update with injected logit noise σ on top
-    (RoutingPlan.noise_sigma(1); metric table in __init__.py)."""
+    (RoutingPlan.noise_sigma(1); metric table in __init__.py). With `sampler_shift` (each rank's [Σ centred
+    shift², elements] from a stale sampler's logits to the proximal forward's), the change those margins
+    predict at that shift: `routing/margin/predicted_change_vs_sampler`."""
     m_NL = torch.tensor(margins, dtype=torch.float64).reshape(-1, len(margins[0]) if margins else 1)
     out: dict[str, float] = {}
     if m_NL.numel():
@@ -167,6 +196,13 @@ def margin_metrics(
             predicted_change(m_NL.flatten(), math.sqrt(sigma**2 + delta**2), top_k)
             if math.isfinite(delta) and m_NL.numel()
             else math.nan
+        )
+    if sampler_shift and m_NL.numel():
+        count = sum(n for _, n in sampler_shift)
+        delta = math.sqrt(sum(q for q, _ in sampler_shift) / count) if count else math.nan
+        out["routing/logit_shift/vs_sampler"] = delta
+        out["routing/margin/predicted_change_vs_sampler"] = (
+            predicted_change(m_NL.flatten(), delta, top_k) if math.isfinite(delta) else math.nan
         )
     return out
 

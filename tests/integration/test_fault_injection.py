@@ -220,6 +220,36 @@ def test_kill_9_at_seeded_points_then_resume_matches_uninterrupted_run(tmp_path,
     )
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_kill_9_in_a_stale_run_then_resume_loses_no_trained_step(tmp_path, warm_overrides, fault_report, overlap):
+    """A rollout.staleness=2 run killed -9 after step 3's metrics line resumes from its checkpoint with every
+    step logged once. Deterministic: equal to an uninterrupted run (the rollouts sampled ahead were in the
+    checkpoint). Overlapped: the in-flight rollouts are sampled again with the restored policy, and it says so."""
+    stale = ["rollout.staleness=2", f"rollout.overlap={str(overlap).lower()}"]
+    launch = _Launcher(tmp_path / "logs")
+    try:
+        killed = launch("metrics:3", _overrides(warm_overrides, tmp_path / "killed", *stale))
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        resumed = launch("none", _overrides(warm_overrides, tmp_path / "killed", *stale, "resume=true"))
+        full = launch("none", _overrides(warm_overrides, tmp_path / "full", *stale))
+    finally:
+        launch.close()
+    assert resumed.returncode == 0 and full.returncode == 0, resumed.stderr[-2000:] + full.stderr[-2000:]
+    rows = _rows(tmp_path / "killed")
+    assert [r["step"] for r in rows] == list(range(STEPS)) and all(r["staleness/max"] <= 2 for r in rows)
+    said = "sampled again with the restored policy" in resumed.stderr
+    assert said is overlap
+    if not overlap:
+        assert _same_metrics(rows, _rows(tmp_path / "full"))
+    fault_report(
+        f"kill -9 after step 3 of a rollout.staleness=2 run ({'overlapped' if overlap else 'deterministic'}), then `resume=true`",
+        _seen(resumed.stderr, tmp_path),
+        f"metrics.jsonl holds steps 0..{STEPS - 1} once each"
+        + ("; the in-flight rollouts were sampled again (staleness <= 2 throughout)" if overlap
+           else ", equal to an uninterrupted run to 1e-9 (the rollouts sampled ahead are in the checkpoint)"),
+    )
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, warm_overrides):
     """A finished 3-step run folder (checkpoints after every step) and its config, copied by each case."""
