@@ -2,7 +2,7 @@
 
 When a sweep crosses the objective arms with a dose that acts on every arm alike (FACTORS:
 `trainer.router_lr_scale`, the router's own learning rate, whose re-routing the replay arms' policies
-undergo too), the question is not whether an arm is worse at the high dose but whether the dose costs it
+undergo too; `rollout.staleness`, the versions between the sampler and the trainer), the question is not whether an arm is worse at the high dose but whether the dose costs it
 more than it costs another arm. Unlike the noise-dose section (analysis.drift), no arm is taken as
 dose-free: every arm runs at every level, and every contrast pairs runs of one unit.
 
@@ -35,7 +35,7 @@ from analysis.outcomes import auc, has_expected
 from analysis.sections import Section, Sweep, doc_intro
 from analysis.stats import MIN_SEEDS, verdict
 
-FACTORS = ("trainer.router_lr_scale",)
+FACTORS = ("trainer.router_lr_scale", "rollout.staleness")
 """Doses that act on every arm (the replay arms included), so that each arm needs its own runs at each level."""
 
 Values = dict[tuple, dict[int, float]]

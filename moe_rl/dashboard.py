@@ -88,6 +88,7 @@ PREDICTED = Panel(
     log_y=True,
 )
 LOGIT_SHIFT = Panel("router-logit shift of one update", ("routing/logit_shift/after_one_update",), log_y=True)
+VS_SAMPLER = Panel("expert change: stale sampler vs proximal policy", ("routing/expert_change/vs_sampler", "staleness/mean"))
 LOGP_DIFF = Panel("log-prob difference: sampler vs old policy", ("mismatch/logp_abs_diff/mean",), log_y=True)
 EVENTS_BY_KIND = Panel("collapse events by kind", regex=r"^collapse/kind/\w+$")
 EVENTS = Panel("collapse events", ("collapse/events",))
@@ -175,6 +176,8 @@ REPORTS = (
                ("model.num_experts", "trainer.router_lr_scale"), (CHANGE, KL, LOAD_CV, PREDICTED, MARGINS, EVAL)),
     ReportSpec("router_lr_dose", "Claim 1 under a faster router: GRPO vs GRPO + R2 vs GSPO at router lr x1 and x30",
                (*GROUPBY, "trainer.router_lr_scale"), (EVAL, CHANGE, KL, LOAD_CV, EVENTS_BY_KIND, EXTREMES)),
+    ReportSpec("replay_staleness", "R2 vs R3 vs real staleness: replay arms x rollout.staleness",
+               (*GROUPBY, "rollout.staleness"), (EVAL, VS_SAMPLER, LOGP_DIFF, KL, EVENTS_BY_KIND, EXTREMES)),
 )  # fmt: skip
 
 
