@@ -183,6 +183,11 @@ class RoutingConfig:
     replay the old policy's or the sampler's clean routing, so both are immune. trainer: the old-policy
     forward and the update forwards alike, with one ε, against a clean sampler (sampler/trainer routing
     mismatch): R2 replays the old forward's perturbed routing, so only R3 is immune."""
+    replay_gates: bool = False
+    """Under replay (old or rollout): combine the replayed experts with the recorded gates too, not the live
+    router's softmax over them (prime-rl's "total router recall" draft). The update forward then reproduces
+    the recorded forward's mixture exactly, and the loss sends the routers no gradient (only the
+    load-balancing loss, model.router_aux_loss_coef, trains them). False (default): ids only, gates live."""
     weight_noise: float = 0.0
     """Persistent alternative, σ_w >= 0: after each optimizer step every router's weight matrix gets
     N(0, σ_w²) added element-wise (seeded from (seed, step, mini-batch)), so the perturbation is part of
@@ -199,6 +204,11 @@ class RoutingConfig:
         if self.logit_noise < 0 or self.weight_noise < 0:
             raise ValueError(
                 f"routing.logit_noise={self.logit_noise}, routing.weight_noise={self.weight_noise}: must be >= 0"
+            )
+        if self.replay_gates and self.replay == "off":
+            raise ValueError(
+                "routing.replay_gates=true replays recorded gates with the replayed experts, so it needs "
+                "routing.replay=old or rollout"
             )
         if self.noise_growth not in NOISE_GROWTH:
             raise ValueError(f"routing.noise_growth={self.noise_growth!r}: expected one of {NOISE_GROWTH}")
@@ -700,6 +710,11 @@ class Config:
                 "processed log-probs are renormalised over the top-p nucleus, so they are not the old policy's "
                 "(the first mini-batch's ratio would not be 1); set sampler.logprobs=raw, or "
                 "sampler.keep_sampling_mask=true (the trainer's forwards then renormalise over the same nucleus)"
+            )
+        if sp.engine == "vllm" and self.routing.replay_gates and self.routing.replay == "rollout":
+            raise ValueError(
+                "routing.replay_gates=true under routing.replay=rollout needs the sampler's gates, and "
+                "sampler.engine=vllm records expert ids only: set routing.replay_gates=false or sampler.engine=hf"
             )
         if sp.engine == "vllm" and t.reuse_sampler_logp:
             raise ValueError(

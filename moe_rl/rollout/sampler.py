@@ -185,9 +185,10 @@ def sample(
     rows: slice = slice(None),
     all_done: Callable[[bool], bool] | None = None,
     record_logits: bool = False,
+    record_gates: bool = False,
 ) -> Rollout:
     """Sample one completion per prompt (repeat prompts for groups). Records routing when given a controller
-    (with the router logits too when `record_logits`).
+    (with the router logits too when `record_logits`, and the gates when `record_gates`).
 
     Data parallel (moe_rl.trainer.distributed): `rows` samples only those rows of `prompts`, with the
     padding and random noise of the whole list, so a row's completion is the same however the list is
@@ -213,7 +214,7 @@ def sample(
     truncating = cfg.top_p < 1 and cfg.temperature > 0  # the nucleus differs from the whole vocabulary
     keeps: list[torch.Tensor] = []  # each step's [B, V] support (keep_sampling_mask)
     cache_kwarg = cache_argument(model)
-    recording = controller.record(record_logits) if controller is not None else contextlib.nullcontext()
+    recording = controller.record(record_logits, record_gates) if controller is not None else contextlib.nullcontext()
     with recording as rec:
         cache = DynamicCache(config=model.config)
         feed_BT, start, steps = prompt_ids_BP, 0, 0

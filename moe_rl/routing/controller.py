@@ -113,11 +113,12 @@ def _in_backward() -> bool:
 class Recorder:
     """Collects per-layer chunks of expert ids during `RoutingController.record()`."""
 
-    def __init__(self, num_layers: int, num_experts: int, with_logits: bool) -> None:
+    def __init__(self, num_layers: int, num_experts: int, with_logits: bool, with_gates: bool = False) -> None:
         self.num_experts = num_experts
-        self.with_logits = with_logits
+        self.with_logits, self.with_gates = with_logits, with_gates
         self._ids: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._logits: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._gates: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._digest_B: torch.Tensor | None = None
         self._tokens_seen = 0
 
@@ -127,10 +128,13 @@ class Recorder:
         self._digest_B = chunk_B if self._digest_B is None else self._digest_B + chunk_B
         self._tokens_seen += token_ids_BT.shape[1]
 
-    def add(self, layer: int, ids_BTK: torch.Tensor, logits_BTE: torch.Tensor | None) -> None:
+    def add(self, layer: int, ids_BTK: torch.Tensor, logits_BTE: torch.Tensor | None,
+            gates_BTK: torch.Tensor | None = None) -> None:
         self._ids[layer].append(ids_BTK.to(ids_dtype(self.num_experts)))
         if self.with_logits:
             self._logits[layer].append(logits_BTE.detach().float())
+        if self.with_gates:
+            self._gates[layer].append(gates_BTK.detach().float())
 
     @property
     def trace(self) -> RoutingTrace:
@@ -143,9 +147,10 @@ class Recorder:
         logits = None
         if self.with_logits:
             logits = torch.stack([torch.cat(chunks, dim=1) for chunks in self._logits], dim=2)
+        gates = torch.stack([torch.cat(chunks, dim=1) for chunks in self._gates], dim=2) if self.with_gates else None
         # Forwards fed embeddings instead of ids (or a bare block) leave no usable digest.
         digest = self._digest_B if self._tokens_seen == ids.shape[1] else None
-        return RoutingTrace(ids, self.num_experts, logits, digest)
+        return RoutingTrace(ids, self.num_experts, logits, digest, gates)
 
 
 class Drift:
@@ -199,8 +204,13 @@ class Drift:
 class _Replayer:
     """Hands out, layer by layer, the next `T` time steps of a trace."""
 
-    def __init__(self, trace: RoutingTrace, num_layers: int, top_k: int, sees_tokens: bool) -> None:
+    def __init__(self, trace: RoutingTrace, num_layers: int, top_k: int, sees_tokens: bool, gates: bool = False) -> None:
         B, T, L, K = trace.shape
+        if gates and trace.gates_BTLK is None:
+            raise RoutingReplayError(
+                "a replay of the gates (routing.replay_gates) needs a trace recorded with its gates; this one has none"
+            )
+        self.gates = gates
         if L != num_layers:
             raise RoutingReplayError(f"replay trace has {L} layers but the model has {num_layers} MoE layers")
         if K != top_k:
@@ -255,6 +265,13 @@ class _Replayer:
         self.cursor[layer] = start + T
         return ids.reshape(B * T, -1)
 
+    def gates_of(self, layer: int, B: int, T: int, device: torch.device) -> torch.Tensor | None:
+        """The recorded gates of the span `next_ids` just handed out at `layer`, or None (ids only)."""
+        if not self.gates:
+            return None
+        start = self.cursor[layer] - T
+        return self.trace.gates_BTLK[:, start : start + T, layer].to(device).reshape(B * T, -1)
+
     def check_consumed(self) -> None:
         tT = self.trace.shape[1]
         if any(c != tT for c in self.cursor):
@@ -288,6 +305,7 @@ class RoutingController:
         self._shape: list[tuple[int, int] | None] = [None] * self.num_layers
         # Ids each layer's latest (non-recompute) forward was routed by under replay, else None.
         self._last_replayed: list[torch.Tensor | None] = [None] * self.num_layers
+        self._last_gates: list[torch.Tensor | None] = [None] * self.num_layers
         self._handles = []
         layer_of = {id(r): i for i, r in enumerate(routers)}
         for block in model.modules():
@@ -348,7 +366,7 @@ class RoutingController:
         def hook(module, args, output):
             logits_NE, scores_NK, ids_NK = output
             if _in_backward():  # a checkpointing recompute: route as the original forward did
-                ids_NK = self._last_replayed[layer]
+                ids_NK, recorded_gates = self._last_replayed[layer], self._last_gates[layer]
             else:
                 B, T = self._shape[layer]
                 if not self._gates_checked[layer] and ids_NK.shape[0]:  # the router's own choice and gates
@@ -361,16 +379,23 @@ class RoutingController:
                     drifted_NK = self._noise.perturb(layer, logits_NE, ids_NK, B, T)
                 if self._recorder is not None:  # the routing this forward would use, absent replay
                     own_NK = ids_NK if drifted_NK is None else drifted_NK
-                    self._recorder.add(layer, own_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1))
-                ids_NK = (
-                    drifted_NK
-                    if self._replayer is None
-                    else self._replayer.next_ids(layer, B, T, logits_NE.device)
-                )
+                    own_gates = None
+                    if self._recorder.with_gates:
+                        own_gates = scores_NK if drifted_NK is None else replay_gates(module, logits_NE, drifted_NK)
+                        own_gates = own_gates.reshape(B, T, -1)
+                    self._recorder.add(layer, own_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1), own_gates)
+                recorded_gates = None
+                if self._replayer is None:
+                    ids_NK = drifted_NK
+                else:
+                    ids_NK = self._replayer.next_ids(layer, B, T, logits_NE.device)
+                    recorded_gates = self._replayer.gates_of(layer, B, T, logits_NE.device)
                 self._last_replayed[layer] = ids_NK
+                self._last_gates[layer] = recorded_gates
             if ids_NK is None:
                 return None
-            gates_NK = replay_gates(module, logits_NE, ids_NK)
+            # Replayed gates are constants (routing.replay_gates): the loss then sends the router no gradient.
+            gates_NK = replay_gates(module, logits_NE, ids_NK) if recorded_gates is None else recorded_gates
             return logits_NE, gates_NK.to(torch.promote_types(scores_NK.dtype, logits_NE.dtype)), ids_NK
 
         return hook
@@ -389,11 +414,11 @@ class RoutingController:
             model.train(was_training)
 
     @contextlib.contextmanager
-    def record(self, with_logits: bool = False) -> Iterator[Recorder]:
-        """Record the routers' own top-k ids (and logits) of every forward inside the block."""
+    def record(self, with_logits: bool = False, with_gates: bool = False) -> Iterator[Recorder]:
+        """Record the routers' own top-k ids (and logits, and gates) of every forward inside the block."""
         if self._recorder is not None:
             raise RuntimeError("record() is already open on this model")
-        self._recorder = Recorder(self.num_layers, self.num_experts, with_logits)
+        self._recorder = Recorder(self.num_layers, self.num_experts, with_logits, with_gates)
         try:
             yield self._recorder
         finally:
@@ -426,13 +451,15 @@ class RoutingController:
             self._noise = None
 
     @contextlib.contextmanager
-    def replay(self, trace: RoutingTrace) -> Iterator[None]:
-        """Route every forward inside the block by `trace`; the forwards must use all of it."""
+    def replay(self, trace: RoutingTrace, gates: bool = False) -> Iterator[None]:
+        """Route every forward inside the block by `trace`; the forwards must use all of it. With `gates`,
+        combine the experts with the trace's recorded gates instead of the live router's (which then gets
+        no gradient from the loss): prime-rl's "total router recall"."""
         if self._replayer is not None:
             raise RuntimeError("replay() is already open on this model")
         if trace is None:
             raise RoutingReplayError("replay() needs a trace; got None")
-        self._replayer = _Replayer(trace, self.num_layers, self.top_k, self.sees_tokens)
+        self._replayer = _Replayer(trace, self.num_layers, self.top_k, self.sees_tokens, gates)
         ok = False
         try:
             yield

@@ -49,12 +49,15 @@ class RoutingTrace:
     router_logits_BTLE: optional float32 router logits (for entropy), or None.
     token_digest_B: `token_digest` of the T token ids each row was recorded on (int64), or None for a
         trace recorded on a bare MoE block, which never sees token ids.
+    gates_BTLK: optional combine weights of those experts, in the same order (float32), recorded for a
+        replay of the gates too (routing.replay_gates), or None.
     """
 
     expert_ids_BTLK: torch.Tensor
     num_experts: int
     router_logits_BTLE: torch.Tensor | None = None
     token_digest_B: torch.Tensor | None = None
+    gates_BTLK: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         assert self.expert_ids_BTLK.dim() == 4, "expert_ids must be [B, T, L, K]"
@@ -62,6 +65,8 @@ class RoutingTrace:
             assert self.router_logits_BTLE.shape[:3] == self.expert_ids_BTLK.shape[:3]
         if self.token_digest_B is not None:
             assert self.token_digest_B.shape == self.expert_ids_BTLK.shape[:1]
+        if self.gates_BTLK is not None:
+            assert self.gates_BTLK.shape == self.expert_ids_BTLK.shape
 
     @property
     def expert_ids(self) -> torch.Tensor:
@@ -77,13 +82,15 @@ class RoutingTrace:
     def nbytes(self) -> int:
         """Bytes held by the ids (and logits, when recorded)."""
         n = self.expert_ids_BTLK.numel() * self.expert_ids_BTLK.element_size()
-        if self.router_logits_BTLE is not None:
-            n += self.router_logits_BTLE.numel() * self.router_logits_BTLE.element_size()
+        for extra in (self.router_logits_BTLE, self.gates_BTLK):
+            if extra is not None:
+                n += extra.numel() * extra.element_size()
         return n
 
     def _map(self, fn, digest) -> RoutingTrace:
         logits = None if self.router_logits_BTLE is None else fn(self.router_logits_BTLE)
-        return RoutingTrace(fn(self.expert_ids_BTLK), self.num_experts, logits, digest)
+        gates = None if self.gates_BTLK is None else fn(self.gates_BTLK)
+        return RoutingTrace(fn(self.expert_ids_BTLK), self.num_experts, logits, digest, gates)
 
     def rows(self, index: slice | torch.Tensor | list[int]) -> RoutingTrace:
         """The trace of a subset of batch rows (a mini-batch)."""
@@ -109,9 +116,11 @@ class RoutingTrace:
         if all(d is not None for d in digests):
             # Along time the chunks' digests do not add up without their offsets: keep none.
             digest = torch.cat(digests) if dim == 0 else None
+        gates = [t.gates_BTLK for t in traces]
         return RoutingTrace(
             torch.cat([t.expert_ids_BTLK for t in traces], dim=dim),
             traces[0].num_experts,
             torch.cat(logits, dim=dim) if has_logits else None,
             digest,
+            torch.cat(gates, dim=dim) if all(g is not None for g in gates) else None,
         )

@@ -78,7 +78,7 @@ class RoutingPlan:
         perturbs it (the same ε as every update forward of these rows)."""
         with contextlib.ExitStack() as stack:
             if self.routing.replay == "rollout":
-                stack.enter_context(self.controller.replay(self.sampler_trace(sl)))
+                stack.enter_context(self.controller.replay(self.sampler_trace(sl), self.routing.replay_gates))
             stack.enter_context(self._noising(sl, "old"))
             yield
 
@@ -91,7 +91,7 @@ class RoutingPlan:
                 self.routing.replay
             ]()
             if replay is not None:
-                stack.enter_context(self.controller.replay(replay))
+                stack.enter_context(self.controller.replay(replay, self.routing.replay_gates))
             drift = None
             if self.drifts(j):
                 drift = stack.enter_context(self.controller.drift(self.routing.drift, _generator(self.seed, self.step, j)))

@@ -210,6 +210,7 @@ def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws
     ro = cfg.rollout
     # A stale sampler records its router logits: the margin prediction of its change (routing/margin/*).
     hf = dict(config=cfg.sampler, generator=sample_gen, record_logits=t.reuse_sampler_logp or ro.staleness > 0,
+              record_gates=cfg.routing.replay_gates,
               all_done=dist.all_done if sharded else None)
     if ro.overlap:  # the background thread samples with a copy of its own, at the sampler's dtype
         hf["generator"] = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)

@@ -134,6 +134,8 @@ class PolicySampler(Stateless):
     of draws so far differs between ranks, and must not decide later steps' noise."""
     record_logits: bool = False
     """Record router logits too (trainer.reuse_sampler_logp: the sampler's trace is then the old policy's)."""
+    record_gates: bool = False
+    """Record the gates too (routing.replay_gates under R3: the update forwards combine with them)."""
     all_done: Callable[[bool], bool] | None = None
     """Under FSDP every forward is a collective: ranks stop decoding together (Dist.all_done)."""
 
@@ -151,6 +153,7 @@ class PolicySampler(Stateless):
             rows=rows,
             all_done=self.all_done,
             record_logits=self.record_logits,
+            record_gates=self.record_gates,
         )
         return roll, score(task, examples_B[rows], roll)
 

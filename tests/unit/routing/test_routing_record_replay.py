@@ -357,3 +357,39 @@ def test_drift_yields_to_replay_and_keeps_router_gradients(tokenizer):
     with ctl.drift(1.0, torch.Generator().manual_seed(0)):
         model(x).logits.square().mean().backward()
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in ctl.routers)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replayed_gates_reproduce_the_recorded_mixture_after_the_router_moved(tokenizer, family):
+    """routing.replay_gates: after the routers move, replaying ids and gates reproduces the recorded forward
+    bitwise (ids alone do not: the gates come from the moved router), and the loss sends the routers no
+    gradient, where an ids-only replay does."""
+    model = routing_model(tokenizer, family)
+    ctl = RoutingController(model)
+    x = routing_tokens(tokenizer)
+    with torch.no_grad(), ctl.record(with_gates=True) as rec:
+        ref = model(x).logits
+    trace = rec.trace
+    assert trace.gates_BTLK.shape == trace.expert_ids_BTLK.shape
+    _perturb_routers(ctl)
+    with torch.no_grad(), ctl.replay(trace, gates=True):
+        assert torch.equal(model(x).logits, ref)
+    with torch.no_grad(), ctl.replay(trace):
+        assert not torch.equal(model(x).logits, ref)
+    for gates, moves in ((True, False), (False, True)):
+        model.zero_grad()
+        with ctl.replay(trace, gates=gates):
+            model(x).logits.square().mean().backward()
+        grads = [r.weight.grad for r in ctl.routers]
+        assert any(g is not None and g.abs().sum() > 0 for g in grads) is moves, gates
+
+
+def test_replaying_gates_of_a_trace_without_them_raises(tokenizer):
+    """A gates replay of a trace recorded without gates raises instead of falling back to live gates."""
+    model = routing_model(tokenizer, "qwen3_moe")
+    ctl = RoutingController(model)
+    x = routing_tokens(tokenizer)
+    with torch.no_grad(), ctl.record() as rec:
+        model(x)
+    with pytest.raises(RoutingReplayError, match="recorded with its gates"), ctl.replay(rec.trace, gates=True):
+        model(x)
