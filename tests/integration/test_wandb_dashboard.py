@@ -35,10 +35,11 @@ def _script(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
-    """A real two-step `moe-rl-train` run (W&B offline) whose logged keys and W&B config the specs must match."""
+    """A real two-step `moe-rl-train` run (W&B offline) whose logged keys and W&B config the specs must match.
+    It trains on rollouts one step stale (rollout.staleness=1), so the staleness panels' keys are logged too."""
     run_dir = tmp_path_factory.mktemp("dashboard") / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([_script("moe-rl-train"), *TINY, "warmstart.enabled=false", "logger.mode=offline",
+    proc = subprocess.run([_script("moe-rl-train"), *TINY, "warmstart.enabled=false", "logger.mode=offline", "rollout.staleness=1",
                            f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
