@@ -37,6 +37,8 @@ from analysis.stats import MIN_SEEDS, verdict
 
 FACTORS = ("trainer.router_lr_scale", "rollout.staleness")
 """Doses that act on every arm (the replay arms included), so that each arm needs its own runs at each level."""
+LEVEL_PREFIX = {"trainer.router_lr_scale": "x", "rollout.staleness": "k="}
+"""How a level is written in the tables: x30 for a router lr scale, k=8 for a staleness."""
 
 Values = dict[tuple, dict[int, float]]
 """{cluster: {RL seed: value}}, as analysis.clusters.cluster_contrast takes them."""
@@ -123,19 +125,20 @@ def _num(x: float, fmt: str = ".3g") -> str:
 def format_interaction(result: dict[str, Any]) -> str:
     """Markdown: the dose effects, then the differences in differences, each with its interval and words."""
     f, unit = result["factor"], ("warm starts" if result["clustered"] else "seeds (one warm start)")
+    x = LEVEL_PREFIX.get(f, f"{f}=")
     head = (f"| contrast | at {f} | estimate | 95% CI (t over {unit}) | p | {unit} | runs | σ² between | ICC |",
             "|---" * 9 + "|")
     lines, words = list(head), []
     for r in result["rows"]:
-        what = (f"{r['a']}: x{r['level']:g} − x{r['low']:g}" if r["b"] is None
-                else f"[{r['a']}] − [{r['b']}], each x{r['level']:g} − x{r['low']:g}")
+        what = (f"{r['a']}: {x}{r['level']:g} − {x}{r['low']:g}" if r["b"] is None
+                else f"[{r['a']}] − [{r['b']}], each {x}{r['level']:g} − {x}{r['low']:g}")
         lines.append(f"| {what} | {r['level']:g} | {_num(r['diff'], '+.3g')} | [{_num(r['lo'])}, {_num(r['hi'])}] "
                      f"| {_num(r['p'])} | {r['clusters']} | {r['runs']} | {_num(r['var_between'])} "
                      f"| {_num(r['icc'], '.2f')} |")
         words.append(f"- {r['kind']}, {what}: {_num(r['diff'], '+.3g')} [{_num(r['lo'])}, {_num(r['hi'])}]: "
                      f"{r['verdict']}.")
     note = (f"Outcome: {result['outcome']} per run. A dose effect is an arm's outcome at the level less at "
-            f"x{result['rows'][0]['low']:g}, paired within a unit; a difference in differences is one arm's "
+            f"{x}{result['rows'][0]['low']:g}, paired within a unit; a difference in differences is one arm's "
             "dose effect less another's (below 0: the dose costs the first arm more). "
             + ("Per warm start the mean over its RL seeds, then a Student t over warm starts; σ² between and "
                "the ICC as in analysis.clusters." if result["clustered"] else

@@ -57,7 +57,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis import critical, drift, engines, factorial, offpolicy, outcomes, steplr
+from analysis import critical, drift, engines, factorial, offpolicy, outcomes, staleness, steplr
 from analysis.clusters import detect_design
 from analysis.compare import COLUMNS, format_cell, run_row, shown_columns
 from analysis.figures import BAND, finite_mean, write_figures
@@ -242,8 +242,8 @@ PAIRS = Section(name="pairs", heading="Pairwise differences", file="pairs_table.
                 markdown=lambda r: format_pairs(*r), json=lambda r: {"pairs": r[0]})  # fmt: skip
 
 SECTIONS: tuple[Section, ...] = (
-    SUMMARY, outcomes.SECTION, STEP, COLLAPSE, drift.SECTION, factorial.SECTION, critical.SECTION, steplr.SECTION,
-    offpolicy.SECTION, engines.SECTION, PAIRS,
+    SUMMARY, outcomes.SECTION, STEP, COLLAPSE, drift.SECTION, factorial.SECTION, staleness.SECTION,
+    critical.SECTION, steplr.SECTION, offpolicy.SECTION, engines.SECTION, PAIRS,
 )
 """The report's sections in report.md's order (and table.json's); each applies or is left out."""
 
