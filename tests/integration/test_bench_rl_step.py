@@ -87,3 +87,24 @@ def test_rl_step_benchmark_trl_side_by_side_and_scaling(tmp_path):
     assert t["losses"]["gspo"]["trl"] != t["losses"]["grpo"]["trl"]  # the two objectives really differ
     assert set(report["scaling"]) == {"group", "new_tokens", "layers", "experts"}
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_async_throughput_benchmark_runs_its_blocks_in_abba_order(tmp_path):
+    """Tiny run of the overlap-vs-sync benchmark: blocks in the order sync, overlap, overlap, sync (TRL left
+    out), the overlapped blocks split the cores, and each ratio is of the conditions' mean throughputs."""
+    out = tmp_path / "async.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, str(BENCH / "async_throughput.py"), "--only", "tiny", "--steps", "1", "--prompts", "2",
+           "--new-tokens", "4", "--no-trl", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=900, capture_output=True)
+    m = json.loads(out.read_text())["models"]["tiny"]
+    assert [b["condition"] for b in m["blocks"]] == ["sync", "overlap", "overlap", "sync"]
+    assert all(b["seconds"] > 0 and b["steps"] == 1 for b in m["blocks"])
+    assert all(b["sampler_threads"] >= 1 for b in m["blocks"] if b["condition"] == "overlap")
+    c = m["conditions"]
+    assert c["sync"]["steps_per_hour"] == pytest.approx(
+        sum(3600 / b["seconds"] for b in m["blocks"] if b["condition"] == "sync") / 2, rel=1e-12)
+    assert m["ratio"]["overlap/sync"] == pytest.approx(c["overlap"]["steps_per_hour"] / c["sync"]["steps_per_hour"])
+    assert c["overlap"]["samples_per_hour"] == pytest.approx(16 * c["overlap"]["steps_per_hour"])
+    assert "| tiny | overlap/sync |" in out.with_suffix(".md").read_text()
