@@ -673,6 +673,7 @@ class Config:
             )
         t.validate()
         self._validate_sampler_reuse()
+        self._validate_router_dtype()
         self._validate_staleness()
         if self.task.chat_template and self.warmstart.enabled:
             raise ValueError(
@@ -722,6 +723,31 @@ class Config:
                 "which holds only for the trained model itself, not for sampler.engine=vllm: set "
                 "trainer.reuse_sampler_logp=false"
             )
+
+
+    def _validate_router_dtype(self) -> None:
+        """model.router_dtype needs a model below float32 to act on, an hf sampler, and no FSDP2 of a
+        low-precision policy (one parameter dtype per sharded layer)."""
+        t, sp = self.trainer, self.sampler
+        if self.model.router_dtype is not None:
+            low = [d for d in (self.model.dtype, t.sampler_dtype) if d in ("bfloat16", "float16")]
+            if not low:
+                raise ValueError(
+                    f"model.router_dtype={self.model.router_dtype} has no effect: model.dtype={self.model.dtype} "
+                    f"and trainer.sampler_dtype={t.sampler_dtype} hold no model below float32; set "
+                    "model.router_dtype=null, or model.dtype / trainer.sampler_dtype to bfloat16"
+                )
+            if sp.engine == "vllm":
+                raise ValueError(
+                    "model.router_dtype with sampler.engine=vllm: the engine sets its own router dtype; set "
+                    "model.router_dtype=null or sampler.engine=hf"
+                )
+            if t.parallel == "fsdp" and self.model.dtype in ("bfloat16", "float16"):
+                raise ValueError(
+                    "model.router_dtype=float32 with trainer.parallel=fsdp: FSDP2 shards one parameter dtype "
+                    f"per layer and model.dtype={self.model.dtype}; set model.router_dtype=null or "
+                    "trainer.parallel=ddp"
+                )
 
     def _validate_staleness(self) -> None:
         """rollout.staleness against the run's length and the sampler (RolloutConfig)."""

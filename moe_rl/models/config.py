@@ -66,6 +66,11 @@ class ModelConfig:
     """Parameter and compute dtype of every forward (warm start, sampler, old policy, update). bfloat16 is a
     supported trainer setting on CPU and GPU: routing record/replay stay bitwise exact in it, and the
     optimizer keeps float32 master weights unless trainer.master_weights=false."""
+    router_dtype: str | None = None
+    """float32: every router of a model held below float32 (model.dtype, or the sampler copy at
+    trainer.sampler_dtype) computes its logits, softmax and top-k in float32 (moe_rl/routing/precision.py),
+    as vLLM's moe_router_dtype. null: the routers share their model's dtype. RL only: the warm start is
+    built at model.dtype."""
     seed: int = 0
     """Seed of the random initial weights."""
     gradient_checkpointing: bool = False
@@ -81,6 +86,8 @@ class ModelConfig:
             raise ValueError(
                 "model.experts_impl=grouped_mm has no float64 kernel: set model.experts_impl=eager for float64"
             )
+        if self.router_dtype not in (None, "float32"):
+            raise ValueError(f"model.router_dtype={self.router_dtype!r}: expected float32 or null")
         if self.attn_impl not in ("sdpa", "eager"):
             raise ValueError(f"model.attn_impl={self.attn_impl!r}: expected 'sdpa' or 'eager'")
         if self.tokenizer not in TOKENIZERS:

@@ -21,6 +21,7 @@ from moe_rl.routing.metrics import (
     token_change_fraction,
 )
 from moe_rl.routing.noise import LogitNoise, hash_normal, logit_noise, noise_scale
+from moe_rl.routing.precision import float32_routers, routers_of
 from moe_rl.routing.trace import RoutingTrace, ids_dtype, token_digest
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "expert_change_by_layer",
     "expert_change_fraction",
     "expert_load",
+    "float32_routers",
     "hash_normal",
     "ids_dtype",
     "logit_noise",
@@ -45,6 +47,7 @@ __all__ = [
     "replay_gates",
     "router_entropy",
     "router_margins",
+    "routers_of",
     "token_change_fraction",
     "token_digest",
 ]

@@ -34,7 +34,7 @@ from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.objectives import SPECS
 from moe_rl.provenance import provenance
 from moe_rl.rollout.vllm_engine import VllmEngine
-from moe_rl.routing import RoutingController
+from moe_rl.routing import RoutingController, float32_routers
 from moe_rl.startup import (
     check_chat_template,
     check_config,
@@ -136,6 +136,8 @@ def build_context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, d
     task = load_task(cfg)
     model, tokenizer, ws = initial_policy(cfg, cfg.logger.progress and dist.main, task)
     check_chat_template(cfg, tokenizer)
+    if cfg.model.router_dtype == "float32":
+        float32_routers(model)
     t = cfg.trainer
     sharded = dist.world > 1 and t.parallel == "fsdp"
     if not sharded:  # FSDP2 moves each layer's shard to this rank's device as it shards it
@@ -216,6 +218,8 @@ def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws
         hf["generator"] = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)
     if ro.overlap or (t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype):
         copy_ = controller.detached_copy(model).to(getattr(torch, t.sampler_dtype or cfg.model.dtype)).eval().requires_grad_(False)
+        if cfg.model.router_dtype == "float32":
+            float32_routers(copy_)
         return _stale(cfg, CopySampler(draws, copy_, RoutingController(copy_), tokenizer, **hf))
     return _stale(cfg, PolicySampler(draws, model, controller, tokenizer, **hf))
 

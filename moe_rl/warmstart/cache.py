@@ -45,7 +45,7 @@ def cache_key(
     if ws_cfg.pretrain_steps == 0:  # no pretraining: the keys entries had before it existed
         del ws["pretrain_steps"], ws["pretrain_aux_loss_coef"]
     model = asdict(model_cfg)
-    del model["tokenizer_cache_dir"]  # where it is kept
+    del model["tokenizer_cache_dir"], model["router_dtype"]  # where it is kept; RL only (precision.py)
     if model_cfg.tokenizer == "char":  # the tokenizer every entry had before model.tokenizer existed
         del model["tokenizer"], model["bpe_vocab_size"]
     payload = dict(

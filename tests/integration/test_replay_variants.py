@@ -41,3 +41,65 @@ def test_replay_gates_refusals_name_the_field(overrides, field_):
     """Gates without replay, and a gates replay of vLLM's routes (ids only), fail at start-up in one line."""
     with pytest.raises(ValueError, match=field_):
         compose_config([*TINY, *overrides])
+
+
+def test_float32_routers_compute_on_float32_inputs_under_a_bfloat16_model():
+    """A witness on each router's input and output: with model.router_dtype=float32 the router of a bf16
+    policy receives the bf16 hidden states cast to float32 (bf16-representable values, in float32) and its
+    logits are exactly W_fp32 · h in float32; the model's hidden states stay bf16 and the router weight's
+    gradient is float32. Registering twice keeps one cast."""
+    from torch.nn import functional as F
+
+    from moe_rl.routing import float32_routers, routers_of
+
+    ctx, _ = build_context(compose_config([*TINY, "warmstart.enabled=false", "model.dtype=bfloat16",
+                                           "model.router_dtype=float32"]))
+    float32_routers(ctx.model)  # idempotent: build_context did it already
+    seen = []
+    hooks = [r.register_forward_hook(lambda m, args, out: seen.append((args[0], out[0], m.weight)))
+             for r in routers_of(ctx.model)]
+    ids = ctx.tokenizer(["1+2=", "3+4="], return_tensors="pt").input_ids
+    out = ctx.model(ids, output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == ctx.controller.num_layers
+    for h_NH, logits_NE, w_EH in seen:
+        assert h_NH.dtype == logits_NE.dtype == w_EH.dtype == torch.float32
+        assert torch.equal(h_NH.bfloat16().float(), h_NH)  # the bf16 hidden states, cast
+        assert torch.equal(logits_NE, F.linear(h_NH.reshape(-1, h_NH.shape[-1]), w_EH))
+    assert out.hidden_states[-1].dtype == torch.bfloat16
+    assert ctx.model.get_input_embeddings().weight.dtype == torch.bfloat16
+    out.logits.float().sum().backward()
+    assert all(r.weight.grad.dtype == torch.float32 for r in routers_of(ctx.model))
+    assert all(len(r._forward_pre_hooks) == 1 for r in routers_of(ctx.model))
+
+
+@pytest.mark.parametrize("preset", ["grpo", "grpo_r3"])
+def test_float32_routers_in_the_bf16_sampler_copy_train(preset, warm_overrides):
+    """Under an fp32 trainer with a bf16 sampler copy (the replay_source setting), model.router_dtype puts the
+    copy's routers in float32 (the trained model's are float32 anyway), and an RL step runs and logs the
+    mismatch; R3 replays the copy's routing."""
+    ctx, _ = build_context(compose_config([*TINY, *warm_overrides, f"objective={preset}",
+                                           "trainer.sampler_dtype=bfloat16", "model.router_dtype=float32"]))
+    copy_ = ctx.sampler.model
+    assert copy_.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert all(r.weight.dtype == torch.float32 for r in ctx.controller.routers)
+    from moe_rl.routing import routers_of
+
+    assert all(r.weight.dtype == torch.float32 for r in routers_of(copy_))
+    metrics = rl_step(ctx, 0)
+    assert metrics["mismatch/logp_abs_diff/mean"] > 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field_"),
+    [
+        (["model.router_dtype=float16"], "model.router_dtype='float16'"),
+        (["model.router_dtype=float32"], "model.router_dtype=float32 has no effect"),
+        (["model.router_dtype=float32", "model.dtype=bfloat16", "sampler.engine=vllm"], "sampler.engine=hf"),
+        (["model.router_dtype=float32", "model.dtype=bfloat16", "trainer.parallel=fsdp"], "trainer.parallel=ddp"),
+    ],
+)
+def test_router_dtype_refusals_name_the_field(overrides, field_):
+    with pytest.raises(ValueError, match=field_.replace("(", r"\(")):
+        compose_config([*TINY, *overrides])
