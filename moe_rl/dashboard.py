@@ -176,6 +176,8 @@ REPORTS = (
                ("model.num_experts", "trainer.router_lr_scale"), (CHANGE, KL, LOAD_CV, PREDICTED, MARGINS, EVAL)),
     ReportSpec("router_lr_dose", "Claim 1 under a faster router: GRPO vs GRPO + R2 vs GSPO at router lr x1 and x30",
                (*GROUPBY, "trainer.router_lr_scale"), (EVAL, CHANGE, KL, LOAD_CV, EVENTS_BY_KIND, EXTREMES)),
+    ReportSpec("replay_variants", "Replay variants: fp32 routers and replayed gates against the bf16 mismatch",
+               (*GROUPBY, "model.router_dtype", "routing.replay_gates"), (LOGP_DIFF, ROLLOUT_VS_OLD, REWARD, TOKEN_VAR)),
     ReportSpec("replay_staleness", "R2 vs R3 vs real staleness: replay arms x rollout.staleness",
                (*GROUPBY, "rollout.staleness"), (EVAL, VS_SAMPLER, LOGP_DIFF, KL, EVENTS_BY_KIND, EXTREMES)),
 )  # fmt: skip
