@@ -57,7 +57,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis import critical, drift, engines, factorial, offpolicy, outcomes, staleness, steplr
+from analysis import critical, drift, engines, factorial, offpolicy, outcomes, staleness, steplr, variants
 from analysis.clusters import detect_design
 from analysis.compare import COLUMNS, format_cell, run_row, shown_columns
 from analysis.figures import BAND, finite_mean, write_figures
@@ -243,7 +243,7 @@ PAIRS = Section(name="pairs", heading="Pairwise differences", file="pairs_table.
 
 SECTIONS: tuple[Section, ...] = (
     SUMMARY, outcomes.SECTION, STEP, COLLAPSE, drift.SECTION, factorial.SECTION, staleness.SECTION,
-    critical.SECTION, steplr.SECTION, offpolicy.SECTION, engines.SECTION, PAIRS,
+    critical.SECTION, steplr.SECTION, offpolicy.SECTION, engines.SECTION, variants.SECTION, PAIRS,
 )
 """The report's sections in report.md's order (and table.json's); each applies or is left out."""
 
