@@ -205,3 +205,23 @@ def test_runs_with_the_vllm_engine_and_r3_resume_to_the_same_metrics(tmp_path, w
         assert m["routing/rollout_vs_old/frac"] == 0.0
         assert 0 < m["time/weight_sync_s"] < 30
         assert m["rollout/entropy/mean"] > 0
+
+
+@pytest.mark.slow
+def test_the_vllm_engine_samples_stale_and_resumes_to_the_same_metrics(tmp_path, warm_overrides):
+    """rollout.staleness=1 wraps the vLLM sampler (deterministic mode): step 0 trains on-policy (fp32: the
+    engine routes as the trainer does), later steps on what the engine sampled with the weights one version
+    back, so its routes differ from the proximal policy's; a run stopped after 2 steps and resumed to 3 (a
+    new engine, the waiting rollout from the checkpoint) logs what an uninterrupted one does."""
+    from tests.integration.test_train_loop import TINY, comparable, compose_config, cut_and_uncut
+
+    cfg = compose_config([*TINY, *warm_overrides, "sampler.engine=vllm", "objective=grpo_r3", "rollout.staleness=1",
+                          "trainer.lr=1e-2", "trainer.warmup_steps=0", "trainer.checkpoint_every=1",
+                          "logger.mode=disabled"])
+    cut, uncut = cut_and_uncut(cfg, 3, tmp_path)
+    assert len(uncut) == 3 and comparable(cut) == comparable(uncut)
+    assert [m["staleness/max"] for m in uncut] == [0, 1, 1]
+    assert uncut[0]["routing/expert_change/vs_sampler"] == 0.0
+    assert uncut[0]["mismatch/logp_abs_diff/mean"] < TOL
+    assert all(m["routing/expert_change/vs_sampler"] > 0 for m in uncut[1:])
+    assert all(m["mismatch/logp_abs_diff/mean"] > 1e-4 for m in uncut[1:])
