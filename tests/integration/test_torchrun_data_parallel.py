@@ -298,6 +298,25 @@ def test_two_process_run_resumes_to_the_same_metrics(runs):
 
 
 @pytest.mark.slow
+def test_two_processes_train_on_stale_rollouts_as_one_process_does(tmp_path, warm_overrides):
+    """rollout.staleness=1 (deterministic) under torchrun: each rank samples its shard one step ahead, and the
+    2-process run logs the 1-process run's rewards, staleness and (within TOL) losses and token ratios for the
+    same global batch; its ranks end bitwise identical."""
+    overrides = [*TINY, *warm_overrides, *DP, "trainer.steps=3", "rollout.staleness=1", "routing.replay=rollout"]
+    train(compose_config(overrides), tmp_path / "one")
+    two = _run(tmp_path / "two", overrides)
+    assert two["param_checksum_by_rank"][0] == two["param_checksum_by_rank"][1]
+    one_rows, two_rows = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["staleness/max"] for r in two_rows] == [r["staleness/max"] for r in one_rows] == [0, 1, 1]
+    for a, b in zip(one_rows, two_rows, strict=True):
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+        for key in ("train/loss", "ratio/token/mean", "mismatch/logp_abs_diff/mean"):
+            assert b[key] == pytest.approx(a[key], rel=TOL, abs=TOL), key
+    assert two_rows[1]["routing/expert_change/vs_sampler"] == pytest.approx(
+        one_rows[1]["routing/expert_change/vs_sampler"], rel=1e-6)
+
+
+@pytest.mark.slow
 def test_fsdp_two_processes_match_one_process(runs):
     """FSDP2 over 2 gloo processes (lock-step sampling, sharded AdamW) trains as the 1-process run does, and
     exports the full (gathered) weights to policy/."""
