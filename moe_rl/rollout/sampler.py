@@ -107,6 +107,9 @@ class Rollout:
     support: each response token's top-p support (sampler.keep_sampling_mask with top_p < 1), else None.
     version: the RL steps the sampling weights had trained, when they may be older than the step that trains
         on the rollout (rollout.staleness: moe_rl/trainer/stale.py); None: the current step's weights.
+    sample_s: the seconds its sampler spent producing it, set by the staleness wrappers (whose rollout call
+        at step t samples another step, or, overlapped, waits for a background thread); None: the trainer
+        timed the sampling itself.
     """
 
     prompt_ids_BP: torch.Tensor
@@ -119,6 +122,7 @@ class Rollout:
     texts: list[str]
     support: SamplingSupport | None = None
     version: int | None = None
+    sample_s: float | None = None
 
     @property
     def input_ids_BS(self) -> torch.Tensor:

@@ -79,7 +79,7 @@ finite metrics of the last step.
 | `time/step_s`, `time/rollout_s`, `time/old_forward_s`, `time/train_s` | wall seconds of the step and its stages (`time/old_forward_s` is ~0 with `trainer.reuse_sampler_logp`) |
 | `throughput/tokens_per_s` | (prompt + response tokens of the batch) / step seconds |
 | `time/weight_sync_s` | seconds to load the step's updated weights into a separate sampler (`sampler.engine=vllm`, or the copy at `trainer.sampler_dtype`), after the updates and within `time/train_s`; absent when the sampler is the trained model |
-| `throughput/sampler_tokens_per_s` | response tokens sampled / rollout seconds |
+| `throughput/sampler_tokens_per_s` | response tokens sampled / rollout seconds; under `rollout.staleness`, / the seconds the sampler spent on this rollout (`time/rollout_s` is then the trainer's wait, and at step t a deterministic sampler samples step t + k) |
 | `eval/accuracy`, `eval/response_len` | held-out evaluation (moe_rl.trainer.evaluate), only on the steps it runs (every `eval.every` steps and the last): sampled as in RL on the first `eval.size` eval prompts |
 | `eval/expected_accuracy` | mean over the first `eval.expected_size` eval prompts of the teacher-forced probability exp Σ_t log π(y*_t) of the canonical answer y* (EOS included) at the sampler's temperature, untruncated: the expected sampled accuracy without sampling noise where y* is the only correct answer and top_p = 1 (arithmetic, sort, sort_long); a lower bound for countdown (moe_rl.trainer.evaluate) |
 | `eval/expected_accuracy/se` | its standard error over those prompts, sd / sqrt(`eval.expected_size`): the noise scale of the `eval_regression` test |

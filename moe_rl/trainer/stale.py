@@ -77,8 +77,10 @@ class StaleSampler:
         # with more steps then finds the rollouts an uninterrupted run would have sampled.
         for ahead in range(step, step + self.staleness + 1):
             if ahead not in self.pending:
+                started = time.perf_counter()
                 roll, scores = self.inner.rollout(task, ahead, shard)
-                self.pending[ahead] = (dataclasses.replace(roll, version=step), scores)
+                self.pending[ahead] = (dataclasses.replace(roll, version=step, sample_s=time.perf_counter() - started),
+                                       scores)
         return self.pending.pop(step)
 
     def sync(self, model: PreTrainedModel) -> float | None:
@@ -145,9 +147,11 @@ class OverlapSampler:
                     weights, version, self._weights = self._weights, self._trained, None
                 if weights is not None:
                     self.inner.model.load_state_dict(weights)
+                started = time.perf_counter()
                 roll, scores = self.inner.rollout(task, s, shard)
                 with self._cond:
-                    self._ready[s] = (dataclasses.replace(roll, version=version), scores)
+                    self._ready[s] = (dataclasses.replace(roll, version=version, sample_s=time.perf_counter() - started),
+                                      scores)
                     self._cond.notify_all()
         except BaseException as err:  # handed to the trainer's next rollout, which raises it
             with self._cond:

@@ -364,7 +364,8 @@ def step_record(
         seconds["time/weight_sync_s"] = sync_s
     local.update({key: S.Stat("max", (s,)) for key, s in seconds.items()})  # the slowest rank's
     local["throughput/tokens_per_s"] = S.Stat("sum", (tokens / (t3 - t0),))
-    local["throughput/sampler_tokens_per_s"] = S.Stat("sum", (int(roll.response_mask_BR.sum()) / (t1 - t0),))
+    sample_s = t1 - t0 if roll.sample_s is None else roll.sample_s  # a stale rollout's own sampling time
+    local["throughput/sampler_tokens_per_s"] = S.Stat("sum", (int(roll.response_mask_BR.sum()) / sample_s,))
     return StepRecord(
         local=local,
         margins=response_margins(old_trace, response_positions(batch, slice(None)), ctx.controller.top_k),

@@ -3,6 +3,7 @@ the staleness metrics against a float64 reference, and a sampler copy that repor
 
 import io
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -209,3 +210,33 @@ def test_detached_copy_reports_to_no_other_controller():
         with torch.no_grad(), ctx.controller.record() as rec:
             other(ids)
         assert bool(rec._ids[0]) is reports, make
+
+
+@dataclass
+class _Slow(_Counting):
+    """A _Counting sampler that takes 50 ms per rollout."""
+
+    def rollout(self, task, step, shard):
+        time.sleep(0.05)
+        return super().rollout(task, step, shard)
+
+
+def test_a_stale_rollout_carries_its_own_sampling_seconds():
+    """Both wrappers time the inner sampler's call and put it on the rollout (Rollout.sample_s), which the
+    sampler throughput divides by: the trainer's rollout call samples another step (deterministic) or only
+    waits (overlapped: here the rollout was ready, so the wait is far shorter than the sampling)."""
+    stale = StaleSampler(_Slow(), 1)
+    for t in range(3):
+        roll, _ = stale.rollout(None, t, Shard())
+        assert 0.05 <= roll.sample_s < 1.0
+    sampler = OverlapSampler(_Slow(), 1, steps=3, threads=1)
+    try:
+        sampler.rollout(None, 0, Shard())
+        sampler.sync(_Versioned(torch.tensor(1)))
+        time.sleep(0.3)  # step 1's rollout is sampled meanwhile
+        started = time.perf_counter()
+        roll, _ = sampler.rollout(None, 1, Shard())
+        waited = time.perf_counter() - started
+    finally:
+        sampler.close()
+    assert 0.05 <= roll.sample_s < 1.0 and waited < 0.03
