@@ -119,3 +119,89 @@ def test_staleness_changes_which_config_resumes(tmp_path, warm_overrides):
         train(other, tmp_path / "run")
     threads = dataclasses.replace(more, rollout=dataclasses.replace(cfg.rollout, sampler_threads=1))
     assert train(threads, tmp_path / "run")["steps_done"] == 3
+
+
+class _ExpertsWitness:
+    """Every whole-model forward's inputs and, per MoE layer, the expert ids its experts module received
+    (its `top_k_index` argument): what reaches the experts, whoever chose it, and not a trace the code writes."""
+
+    def __init__(self, model):
+        self.calls, self.handles = [], []
+        experts = [m.mlp.experts for m in model.model.layers]
+
+        def on_model(module, args, kwargs):
+            self.calls.append({"kwargs": dict(kwargs), "grad": torch.is_grad_enabled(), "ids": []})
+
+        def on_experts(module, args, kwargs):
+            ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            self.calls[-1]["ids"].append(ids.detach().clone())
+
+        self.handles.append(model.register_forward_pre_hook(on_model, with_kwargs=True))
+        self.handles += [e.register_forward_pre_hook(on_experts, with_kwargs=True) for e in experts]
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _free_ids(model, kwargs) -> torch.Tensor:
+    """[B, T, L, K] expert ids a free forward of `model` on `kwargs` sends to its experts (sorted over K)."""
+    witness = _ExpertsWitness(model)
+    try:
+        with torch.no_grad():
+            model(**kwargs)
+    finally:
+        witness.remove()
+    return _layout(witness.calls[-1], kwargs)
+
+
+def _layout(call, kwargs) -> torch.Tensor:
+    B, T = kwargs["input_ids"].shape
+    return torch.stack([ids.reshape(B, T, -1) for ids in call["ids"]], dim=2).sort(-1).values
+
+
+@pytest.mark.parametrize("replay", ["rollout", "old"])
+def test_under_staleness_r3_forwards_use_the_stale_samplers_experts_and_r2_the_proximal_ones(replay, warm_overrides):
+    """At step 2 of a k = 2 run the rollout was sampled by the weights of step 0. A witness on every MoE
+    layer's experts module records the ids that reach the experts in the trainer's forwards; each is compared,
+    on every position that predicts a response token, with the ids a free forward on the same inputs sends to
+    the experts under the step-0 weights (the stale sampler's) and under the step-2 weights (the proximal
+    policy's). R3 (replay=rollout): the old-policy and update forwards use exactly the stale sampler's experts.
+    R2 (replay=old): the old-policy forward routes freely (the proximal policy's experts) and the update
+    forwards replay those. The two references differ on some positions, so each check can fail."""
+    import copy
+
+    ctx, _ = build_context(compose_config(_base(warm_overrides, "rollout.staleness=2", "trainer.steps=3",
+                                                f"routing.replay={replay}")))
+    recording = _Recording(ctx.sampler)
+    ctx.sampler = recording
+    stale = copy.deepcopy(ctx.model)  # the step-0 weights (the hooks it copies are dropped below)
+    rl_step(ctx, 0)
+    rl_step(ctx, 1)
+    proximal = ctx.controller.detached_copy(ctx.model).eval()
+    stale = ctx.controller.detached_copy(stale).eval()
+    witness = _ExpertsWitness(ctx.model)
+    try:
+        rl_step(ctx, 2)
+    finally:
+        witness.remove()
+    roll = recording.rollouts[2]
+    assert roll.version == 0
+    P, R = roll.prompt_ids_BP.shape[1], roll.response_ids_BR.shape[1]
+    rows_BS1 = roll.input_ids_BS[:, :-1]
+    trainer = [c for c in witness.calls if c["kwargs"]["input_ids"].shape[1] == P + R - 1]
+    old = [c for c in trainer if not c["grad"]]
+    updates = [c for c in trainer if c["grad"]]
+    assert len(old) >= 1 and len(updates) == ctx.cfg.trainer.mini_batches
+    differ = 0
+    for call in old + updates:
+        kwargs = call["kwargs"]
+        got = _layout(call, kwargs)
+        want_stale, want_prox = _free_ids(stale, kwargs), _free_ids(proximal, kwargs)
+        for b, ids_S in enumerate(kwargs["input_ids"]):
+            row = next(i for i in range(len(rows_BS1)) if torch.equal(rows_BS1[i], ids_S))
+            at = (P - 1 + torch.nonzero(roll.response_mask_BR[row]).flatten())
+            want = want_stale if replay == "rollout" else want_prox
+            assert torch.equal(got[b, at], want[b, at]), (replay, "update" if call["grad"] else "old", b)
+            differ += int((want_stale[b, at] != want_prox[b, at]).any())
+    assert differ > 0, "the stale sampler's experts should differ from the proximal policy's somewhere"
