@@ -12,10 +12,12 @@ run is binned by its s; per run and bin, the mean over the bin's steps of:
 | logit shift | `routing/logit_shift/vs_sampler`: centred RMS shift of the router logits from sampler to proximal |
 | log-prob mismatch | `mismatch/logp_abs_diff/mean`: mean \\|log π_sampler − log π_proximal\\| over response tokens, as the objective sees it |
 
-"By staleness" pools every run of an arm (the group label without rollout.staleness): the bins below a
-run's k come from its first k steps only, so they describe the early policy and have few steps; the
-bin s = k holds the rest of the run. "By k" is each run's steady state (its steps with s = k) per level
-of rollout.staleness. A cell is the mean ± 95% t half-width over units: warm starts (each the mean over
+Two views, per arm (the group label without rollout.staleness), which are not pooled because they
+describe different policies. "Warm-up" takes the arm's runs at its largest k = K and their first K steps,
+where step t trains on the initial policy's rollouts (s = t): the change after s = 0 .. K − 1 versions of
+training from the start, within the same runs. "By k" is each run's steady state (its steps with s = k,
+the rest of the run) per level of rollout.staleness. A version is one RL step, trainer.mini_batches
+optimizer updates. A cell is the mean ± 95% t half-width over units: warm starts (each the mean over
 its RL seeds) in a sweep over several warm starts with RL seeds on each (analysis.clusters), else runs.
 
 Growth: per arm, the steady-state change vs sampler at the highest k less at the lowest k > 0, paired
@@ -95,20 +97,26 @@ def staleness_table(sweep: Sweep) -> dict[str, Any] | None:
     by_k: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
     steady: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))  # arm -> k -> ws -> {seed: change}
     steps: dict = defaultdict(lambda: defaultdict(float))
+    top: dict[str, int] = defaultdict(int)  # each arm's largest k
+    for run in runs:
+        top[group_label(run, others)] = max(top[group_label(run, others)], int(run.flat.get(FIELD) or 0))
     for run in runs:
         arm, k = group_label(run, others), int(run.flat.get(FIELD) or 0)
         cluster = warm_start_id(run) if clustered else (warm_start_id(run), run.seed)
         bins = binned(run)
-        for s, row in bins.items():
-            steps[arm][s] += row["steps"]
-            for name in COLUMNS:
-                by_s[arm][s][name][cluster].append(row[name])
+        if k == top[arm]:
+            for s, row in bins.items():
+                if s < k:
+                    steps[arm][s] += row["steps"]
+                    for name in COLUMNS:
+                        by_s[arm][s][name][cluster].append(row[name])
         if k in bins:
             for name in COLUMNS:
                 by_k[arm][k][name][cluster].append(bins[k][name])
             steady[arm][k][warm_start_id(run)][run.seed] = bins[k]["change vs sampler"]
-    result: dict[str, Any] = {"clustered": clustered, "by_staleness": {}, "by_k": {}, "growth": []}
-    for arm in by_s:
+    result: dict[str, Any] = {"clustered": clustered, "warmup_k": dict(top), "by_staleness": {}, "by_k": {},
+                              "growth": []}
+    for arm in by_k:
         result["by_staleness"][arm] = {
             int(s): {"steps": steps[arm][s], **{name: _cell(by_s[arm][s][name], clustered) for name in COLUMNS}}
             for s in sorted(by_s[arm])}
@@ -142,7 +150,8 @@ def format_staleness(result: dict[str, Any]) -> str:
     unit = "warm starts" if result["clustered"] else "runs"
     head = "| {} | {} | change vs sampler | margin prediction | logit shift | log-prob mismatch | {} |"
     rule = "|---" * 7 + "|"
-    parts = [f"By staleness s (the versions between sampler and trainer; every run of the arm, 95% t over {unit})",
+    parts = [f"Warm-up: the first K steps of each arm's runs at its largest k = K, where step t trains on the initial "
+             f"policy's rollouts (s = t versions between sampler and trainer; 95% t over {unit})",
              "\n".join([head.format("arm", "s", "steps"), rule] + [
                  f"| {arm} | {s} | {_pct(row['change vs sampler'])} | {_pct(row['margin prediction'])} "
                  f"| {_fmt(row['logit shift'])} | {_fmt(row['log-prob mismatch'])} | {row['steps']:g} |"
@@ -165,7 +174,8 @@ def format_staleness(result: dict[str, Any]) -> str:
 
 
 def plot_staleness(result: dict[str, Any], out_dir: Path) -> Figures:
-    """Change vs sampler (solid; the margin prediction dotted) and the log-prob mismatch against s, per arm."""
+    """Change vs sampler and the log-prob mismatch against s, per arm: the warm-up curve (lines, the margin
+    prediction dotted) and each k's steady state (squares with error bars)."""
     arms = list(result["by_staleness"])
     colors = group_colors(arms)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -178,6 +188,12 @@ def plot_staleness(result: dict[str, Any], out_dir: Path) -> Figures:
             band_plot(ax, s, mean, mean - half, mean + half, colors[arm], arm)
         predicted = np.array([rows[int(x)]["margin prediction"]["mean"] for x in s]) * 100.0
         axes[0].plot(s, predicted, color=colors[arm], linestyle=":", linewidth=1)
+        steady = result["by_k"][arm]
+        for ax, name, scale in ((axes[0], "change vs sampler", 100.0), (axes[1], "log-prob mismatch", 1.0)):
+            ks = [k for k in steady if k > 0]
+            ax.errorbar(ks, [steady[k][name]["mean"] * scale for k in ks],
+                        yerr=[np.nan_to_num(steady[k][name]["ci95"]) * scale for k in ks],
+                        color=colors[arm], marker="s", linestyle="none", capsize=3)
     axes[0].axhline(100 * PAPER_CHANGE, color="grey", linestyle="--", linewidth=1,
                     label="GSPO paper: ~10% after one update")
     axes[0].set(xlabel="staleness s (versions)", ylabel="expert change vs sampler (%)",
@@ -186,7 +202,8 @@ def plot_staleness(result: dict[str, Any], out_dir: Path) -> Figures:
                 title="log-prob mismatch the objective sees")
     path = finish(fig, axes, out_dir / "staleness.png", "Expert change against staleness")
     return {"staleness": (path, "Expert change between the stale sampler and the proximal policy, and the "
-                                "log-prob mismatch, against the versions between them (mean ± 95% CI).")}
+                                "log-prob mismatch, against the versions between them (mean ± 95% CI): lines, "
+                                "the first steps of the largest-k runs; squares, each k's steady state.")}
 
 
 SECTION = Section(
