@@ -724,7 +724,6 @@ class Config:
                 "trainer.reuse_sampler_logp=false"
             )
 
-
     def _validate_router_dtype(self) -> None:
         """model.router_dtype needs a model below float32 to act on, an hf sampler, and no FSDP2 of a
         low-precision policy (one parameter dtype per sharded layer)."""

@@ -7,6 +7,7 @@ from moe_rl.routing.controller import (
     RoutingReplayError,
     UnsupportedRouterError,
     replay_gates,
+    routers_of,
 )
 from moe_rl.routing.metrics import (
     centred_shift_sq,
@@ -21,7 +22,7 @@ from moe_rl.routing.metrics import (
     token_change_fraction,
 )
 from moe_rl.routing.noise import LogitNoise, hash_normal, logit_noise, noise_scale
-from moe_rl.routing.precision import float32_routers, routers_of
+from moe_rl.routing.precision import float32_routers
 from moe_rl.routing.trace import RoutingTrace, ids_dtype, token_digest
 
 __all__ = [

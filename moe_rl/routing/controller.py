@@ -94,6 +94,11 @@ def _is_router(module: nn.Module) -> bool:
     )
 
 
+def routers_of(model: nn.Module) -> list[nn.Module]:
+    """The model's top-k router modules, in layer order."""
+    return [m for m in model.modules() if _is_router(m)]
+
+
 def _input_embedding(model: nn.Module) -> nn.Module | None:
     """The token embedding of a transformers model, or None (a bare MoE block sees no token ids)."""
     get = getattr(model, "get_input_embeddings", None)
@@ -290,7 +295,7 @@ class RoutingController:
     """Instruments every top-k router of `model` for recording and replay (see module docstring)."""
 
     def __init__(self, model: nn.Module) -> None:
-        routers = [m for m in model.modules() if _is_router(m)]
+        routers = routers_of(model)
         if not routers:
             raise ValueError(f"{type(model).__name__} has no top-k MoE router modules to instrument")
         self.routers = routers

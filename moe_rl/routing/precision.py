@@ -18,14 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_rl.routing.controller import _is_router
+from moe_rl.routing.controller import routers_of
 
 _HOOKED = "_moe_rl_router_fp32"
-
-
-def routers_of(model: nn.Module) -> list[nn.Module]:
-    """The model's top-k router modules, in layer order."""
-    return [m for m in model.modules() if _is_router(m)]
 
 
 def _to_float32(module: nn.Module, args: tuple) -> tuple:

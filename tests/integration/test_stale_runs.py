@@ -169,17 +169,14 @@ def test_under_staleness_r3_forwards_use_the_stale_samplers_experts_and_r2_the_p
     policy's). R3 (replay=rollout): the old-policy and update forwards use exactly the stale sampler's experts.
     R2 (replay=old): the old-policy forward routes freely (the proximal policy's experts) and the update
     forwards replay those. The two references differ on some positions, so each check can fail."""
-    import copy
-
     ctx, _ = build_context(compose_config(_base(warm_overrides, "rollout.staleness=2", "trainer.steps=3",
                                                 f"routing.replay={replay}")))
     recording = _Recording(ctx.sampler)
     ctx.sampler = recording
-    stale = copy.deepcopy(ctx.model)  # the step-0 weights (the hooks it copies are dropped below)
+    stale = ctx.controller.detached_copy(ctx.model).eval()  # the step-0 weights, without the controller's hooks
     rl_step(ctx, 0)
     rl_step(ctx, 1)
     proximal = ctx.controller.detached_copy(ctx.model).eval()
-    stale = ctx.controller.detached_copy(stale).eval()
     witness = _ExpertsWitness(ctx.model)
     try:
         rl_step(ctx, 2)
