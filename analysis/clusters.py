@@ -228,7 +228,7 @@ def format_clusters(pairs: list[dict]) -> str:
     lines = ["| a | b | difference (a - b) | estimate | 95% CI (t over warm starts) | p | warm starts | runs "
              "| σ² between | σ² within | ICC |", "|---" * 11 + "|"]
     words = []
-    names = {"auc": "expected-acc AUC"}
+    names = {"auc": "expected-acc AUC", "late": "expected acc, last 30 updates"}
     for pair in pairs:
         for key, row in (pair.get("clusters") or {}).items():
             name = pair["outcome"] if key == "outcome" else names.get(key, key)
@@ -238,8 +238,25 @@ def format_clusters(pairs: list[dict]) -> str:
                          f"| {_num(row['icc'], '.2f')} |")
             words.append(f"- **{pair['a']}** vs **{pair['b']}**, {name}, over warm starts: "
                          f"{_num(row['diff'], '+.3g')} [{_num(row['lo'])}, {_num(row['hi'])}]: {row['verdict']}.")
+    for pair in pairs:
+        reg = pair.get("regression_by_warm_start")
+        if reg:
+            words.append(format_regression_by_warm_start(pair["a"], pair["b"], reg))
     note = ("Per warm start, the mean over its RL seeds of the paired difference; the CI is a Student t over "
             "warm starts. σ² between / within: one-way random-effects ANOVA (method of moments, between "
             "truncated at 0) on the paired differences; ICC = between / (between + within). A verdict needs "
-            f"at least {MIN_WARM_STARTS} warm starts.")
+            f"at least {MIN_WARM_STARTS} warm starts. Sustained regression by warm start: each arm's regressed "
+            "runs over those with a pre-update eval, per warm start; p of the exact conditional (Mantel–Haenszel) "
+            "test that both arms regress at one rate within every warm start, and of the log-rank test of time "
+            "to regression stratified by warm start.")
     return "\n\n".join(["\n".join(lines), note, "\n".join(words)])
+
+
+def format_regression_by_warm_start(a: str, b: str, reg: dict[str, Any]) -> str:
+    """One sentence: each arm's sustained regressions, per warm start, and the two stratified tests' p."""
+    per = ", ".join(f"{w['regressed_a']}/{w['n_a']} vs {w['regressed_b']}/{w['n_b']}" for w in reg["per_warm_start"])
+    judged = verdict(Difference(math.nan, math.nan, math.nan, reg["exact_p"], reg["warm_starts"], reg["warm_starts"],
+                                reg["exact_test"]), min_seeds=MIN_WARM_STARTS).replace("seed(s)", "warm start(s)")
+    return (f"- **{a}** vs **{b}**, sustained regression by warm start: {reg['regressed_a']}/{reg['n_a']} vs "
+            f"{reg['regressed_b']}/{reg['n_b']} ({per}); {reg['exact_test']} p = {_num(reg['exact_p'])}, "
+            f"{reg['logrank_test']} χ² = {_num(reg['logrank_chi2'])}, p = {_num(reg['logrank_p'])}: {judged}.")

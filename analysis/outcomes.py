@@ -9,6 +9,7 @@ row of RL step s at s + 1.
 |---|---|
 | expected-acc AUC | trapezoid area under the curve divided by its span in updates (last - first eval), so it is the run's mean expected accuracy over training; nan with fewer than two evals |
 | gain | expected accuracy at the last eval minus before the first update (does the policy still learn?); nan without a pre-update eval |
+| late expected accuracy | mean expected accuracy over the evals of the last `LATE` (30) updates (`late_expected`): where the run ended up |
 | time to regression | the first eval (in updates) at which expected accuracy is below `REGRESSION_FRAC` (0.8) x its value before the first update and stays below at the next eval too (*sustained*, two evals in a row); censored at the last eval when that never happens; unknown (left out) without a pre-update eval |
 
 Across two arms: the AUC difference a - b, paired by seed when both ran the same seeds (paired t, else
@@ -28,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from analysis.clusters import warm_start_id
 from analysis.load import Run
 from analysis.sections import Section, Sweep
-from analysis.stats import MeanCI, logrank, mean_ci
+from analysis.stats import ExactStratified, MeanCI, exact_stratified, logrank, mean_ci, stratified_logrank
 
 KEY = "eval/expected_accuracy"
 INITIAL_KEY = "eval/initial/expected_accuracy"
@@ -72,6 +74,17 @@ def gain(run: Run) -> float:
     return float(v[-1] - v[0]) if t.size >= 2 and t[0] == 0.0 else math.nan
 
 
+LATE = 30
+"""Updates at the end of a run whose evals `late_expected` averages."""
+
+
+def late_expected(run: Run, last: int = LATE) -> float:
+    """Mean expected accuracy over the evals of the run's last `last` updates (updates >= the last eval's
+    - `last`): where the run ended up, less noisy than its last eval alone; nan without evals."""
+    t, v = expected_curve(run)
+    return float(v[t >= t[-1] - last].mean()) if t.size else math.nan
+
+
 def regression_time(run: Run, frac: float = REGRESSION_FRAC, sustained: int = SUSTAINED) -> tuple[float, bool]:
     """(updates, True) at the first of `sustained` consecutive evals below frac x the pre-update value;
     (last eval's updates, False) when censored; (nan, False) without a pre-update eval."""
@@ -96,6 +109,34 @@ def regression_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
         "regressed_b": res.observed_b, "expected_b": res.expected_b, "n_b": res.n_b,
         "per_seed_a": [{"seed": s, "updates": t, "regressed": e} for s, t, e in ta],
         "per_seed_b": [{"seed": s, "updates": t, "regressed": e} for s, t, e in tb],
+    }  # fmt: skip
+
+
+def stratified_regression_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
+    """Sustained regression, a vs b, stratified by warm start (analysis.clusters.warm_start_id), over the runs
+    with a pre-update eval: the exact conditional test that the arms regress at one rate within every warm
+    start (analysis.stats.exact_stratified) and the stratified log-rank test of time to regression; per warm
+    start, its build seed and each arm's regressed and evaluated runs."""
+    strata: dict[tuple, tuple[list, list]] = {}
+    for arm, runs in enumerate((a, b)):
+        for run in runs:
+            t, regressed = regression_time(run)
+            if math.isfinite(t):
+                strata.setdefault(warm_start_id(run), ([], []))[arm].append((t, regressed))
+    keys = sorted((w for w, (ra, rb) in strata.items() if ra and rb), key=repr)
+    counts = [(sum(e for _, e in strata[w][0]), len(strata[w][0]), sum(e for _, e in strata[w][1]), len(strata[w][1]))
+              for w in keys]  # fmt: skip
+    exact = exact_stratified(*zip(*counts, strict=True)) if counts else None
+    rank = stratified_logrank([([t for t, _ in ra], [e for _, e in ra], [t for t, _ in rb], [e for _, e in rb])
+                               for ra, rb in (strata[w] for w in keys)])  # fmt: skip
+    return {
+        "warm_starts": len(keys),
+        "regressed_a": sum(c[0] for c in counts), "n_a": sum(c[1] for c in counts),
+        "regressed_b": sum(c[2] for c in counts), "n_b": sum(c[3] for c in counts),
+        "exact_p": exact.p if exact else math.nan, "exact_test": ExactStratified.test,
+        "logrank_chi2": rank.chi2, "logrank_p": rank.p, "logrank_test": rank.test,
+        "per_warm_start": [{"warm_start": w[0], "regressed_a": c[0], "n_a": c[1], "regressed_b": c[2], "n_b": c[3]}
+                           for w, c in zip(keys, counts, strict=True)],
     }  # fmt: skip
 
 

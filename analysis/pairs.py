@@ -12,8 +12,10 @@ objective with a swept setting. For each pair (a, b), in group order:
 | time to sustained regression (same runs) | first eval below 0.8 x the pre-update expected accuracy at two evals in a row, else censored at the last eval (analysis.outcomes) | regressed seeds per arm | log-rank test (arms as independent samples) |
 
 Warm starts (analysis.clusters): the section opens with the sweep's design. When several warm starts each
-carry RL seeds, every pair also gets the outcome (and AUC) contrast formed within each warm start and
-judged by a t over warm starts, with the between-warm-start variance component and the ICC ("clusters").
+carry RL seeds, every pair also gets the outcome (and AUC, and late expected accuracy) contrast formed within each warm start and
+judged by a t over warm starts, with the between-warm-start variance component and the ICC ("clusters"),
+and sustained regression stratified by warm start: the exact conditional test of the rates and the
+stratified log-rank test of the times (analysis.outcomes.stratified_regression_test).
 
 table.json keeps, per pair, every seed's value of each outcome (`per_seed`), so any number can be re-derived.
 
@@ -30,7 +32,15 @@ from typing import Any
 from analysis.clusters import CLUSTERED, Design, contrast_row, detect_design, format_clusters, unit
 from analysis.compare import last_value, run_row
 from analysis.load import Run
-from analysis.outcomes import REGRESSION_FRAC, auc, format_regression, has_expected, regression_test
+from analysis.outcomes import (
+    REGRESSION_FRAC,
+    auc,
+    format_regression,
+    has_expected,
+    late_expected,
+    regression_test,
+    stratified_regression_test,
+)
 from analysis.stats import MIN_SEEDS, Difference, paired_t, rate_difference, verdict, welch
 
 Groups = dict[str, list[Run]]
@@ -94,8 +104,10 @@ def compare_pair(
         "collapse_diff": _row(rate),
         "auc_diff": _row(outcome_difference(a, b, auc)) if expected else None,
         "regression": regression_test(a, b) if expected else None,
-        "clusters": ({"outcome": contrast_row(a, b, per_seed), **({"auc": contrast_row(a, b, auc)} if expected else {})}
+        "clusters": ({"outcome": contrast_row(a, b, per_seed),
+                      **({"auc": contrast_row(a, b, auc), "late": contrast_row(a, b, late_expected)} if expected else {})}
                      if clustered else None),
+        "regression_by_warm_start": stratified_regression_test(a, b) if clustered and expected else None,
         "per_seed": {"a": per_seed_values(a, quantities), "b": per_seed_values(b, quantities)},
     }
 

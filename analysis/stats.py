@@ -9,7 +9,8 @@ Every number a table or figure aggregates over seeds goes through these, so one 
 | paired difference (same seeds in both groups) | `paired_t`: t interval of the per-seed differences, n - 1 dof, two-sided p |
 | slope of one seed's runs | `ols_slope`: least-squares slope with its t interval (n - 2 dof) and two-sided p of slope = 0 |
 | dose trend over seeds | `slope_over_seeds`: one least-squares slope per seed, then `one_sample_t` over the seeds' slopes (n_seeds - 1 dof), so runs sharing a seed are not counted as independent |
-| time to an event (censored) | `logrank`: two-sample log-rank (Mantel–Cox) chi-square, 1 dof |
+| time to an event (censored) | `logrank`: two-sample log-rank (Mantel–Cox) chi-square, 1 dof; `stratified_logrank`: the same summed over strata (warm starts) |
+| event rates across strata | `exact_stratified`: the exact conditional (Mantel–Haenszel) test of no association in stratified 2x2 tables, two-sided |
 | difference of two rates | `rate_difference`: Newcombe's hybrid Wilson score interval (1998, method 10) and a two-sided permutation test of the difference |
 | several tests at once | `holm`: Holm's step-down adjusted p-values, controlling the family-wise error rate |
 | smoothed curve | `ema`: s_0 = x_0, s_t = w · s_{t-1} + (1 - w) · x_t (w = 0: no smoothing) |
@@ -312,19 +313,10 @@ class LogRank:
     test: str = "log-rank test"
 
 
-def logrank(
+def _logrank_terms(
     time_a: Sequence[float], event_a: Sequence[bool], time_b: Sequence[float], event_b: Sequence[bool]
-) -> LogRank:
-    """Two-sample log-rank (Mantel–Cox) test that groups a and b share one hazard of the event.
-
-    Each unit has a time and whether the event happened then (True) or it was censored there (False:
-    known to be event-free up to that time). At each distinct event time t_j, with n_j units at risk
-    (time >= t_j; a unit censored at t_j is still at risk there), n_aj of them in a, and d_j events,
-    d_aj in a: E_a = Σ_j d_j n_aj / n_j, V = Σ_j d_j (n_aj / n_j)(1 - n_aj / n_j)(n_j - d_j) / (n_j - 1)
-    (hypergeometric variance; the factor is 1 where n_j = 1), chi2 = (O_a - E_a)² / V and
-    p = P(χ²_1 > chi2) = erfc(sqrt(chi2 / 2)). nan chi2 and p when V = 0 (no event, or no unit of one
-    group at risk at any event). Non-finite times are dropped. Suffix U: one entry per unit, J: per event time.
-    """
+) -> tuple[int, float, int, float, float, int, int]:
+    """One stratum's (O_a, E_a, O_b, E_b, V, n_a, n_b) of the log-rank test (`logrank`'s docstring)."""
     ta, ea = np.asarray(time_a, dtype=np.float64), np.asarray(event_a, dtype=bool)
     tb, eb = np.asarray(time_b, dtype=np.float64), np.asarray(event_b, dtype=bool)
     ka, kb = np.isfinite(ta), np.isfinite(tb)
@@ -341,9 +333,85 @@ def logrank(
     ties_J = np.where(at_risk_J > 1, (at_risk_J - d_J) / np.maximum(at_risk_J - 1, 1), 1.0)
     var = float(np.sum(d_J * share_J * (1 - share_J) * ties_J))
     observed_a, observed_b = int(d_a_J.sum()), int(d_J.sum() - d_a_J.sum())
-    expected_b = float(d_J.sum()) - expected_a
+    return observed_a, expected_a, observed_b, float(d_J.sum()) - expected_a, var, int(ta.size), int(tb.size)
+
+
+def _logrank_from(terms: list[tuple[int, float, int, float, float, int, int]], test: str) -> LogRank:
+    o_a, e_a, o_b, e_b, var, n_a, n_b = (sum(x) for x in zip(*terms, strict=True))
     if var <= 0:
-        return LogRank(math.nan, math.nan, observed_a, expected_a, observed_b, expected_b, int(ta.size), int(tb.size))
-    chi2 = (observed_a - expected_a) ** 2 / var
-    return LogRank(chi2, math.erfc(math.sqrt(chi2 / 2)), observed_a, expected_a, observed_b, expected_b,
-                   int(ta.size), int(tb.size))
+        return LogRank(math.nan, math.nan, o_a, e_a, o_b, e_b, n_a, n_b, test)
+    chi2 = (o_a - e_a) ** 2 / var
+    return LogRank(chi2, math.erfc(math.sqrt(chi2 / 2)), o_a, e_a, o_b, e_b, n_a, n_b, test)
+
+
+def logrank(
+    time_a: Sequence[float], event_a: Sequence[bool], time_b: Sequence[float], event_b: Sequence[bool]
+) -> LogRank:
+    """Two-sample log-rank (Mantel–Cox) test that groups a and b share one hazard of the event.
+
+    Each unit has a time and whether the event happened then (True) or it was censored there (False:
+    known to be event-free up to that time). At each distinct event time t_j, with n_j units at risk
+    (time >= t_j; a unit censored at t_j is still at risk there), n_aj of them in a, and d_j events,
+    d_aj in a: E_a = Σ_j d_j n_aj / n_j, V = Σ_j d_j (n_aj / n_j)(1 - n_aj / n_j)(n_j - d_j) / (n_j - 1)
+    (hypergeometric variance; the factor is 1 where n_j = 1), chi2 = (O_a - E_a)² / V and
+    p = P(χ²_1 > chi2) = erfc(sqrt(chi2 / 2)). nan chi2 and p when V = 0 (no event, or no unit of one
+    group at risk at any event). Non-finite times are dropped. Suffix U: one entry per unit, J: per event time.
+    """
+    return _logrank_from([_logrank_terms(time_a, event_a, time_b, event_b)], "log-rank test")
+
+
+def stratified_logrank(
+    strata: Sequence[tuple[Sequence[float], Sequence[bool], Sequence[float], Sequence[bool]]],
+) -> LogRank:
+    """The log-rank test stratified by, e.g., warm start: each stratum h's (time_a, event_a, time_b, event_b)
+    gives its own O_a,h, E_a,h and V_h at its own risk sets (`logrank`), and
+    chi2 = (Σ_h (O_a,h - E_a,h))² / Σ_h V_h, 1 dof. Units are compared only with units of their stratum, so
+    a warm start that regresses more under both arms does not count as evidence for either."""
+    if not strata:
+        return LogRank(math.nan, math.nan, 0, 0.0, 0, 0.0, 0, 0, "stratified log-rank test")
+    return _logrank_from([_logrank_terms(*s) for s in strata], "stratified log-rank test")
+
+
+@dataclass(frozen=True)
+class ExactStratified:
+    """The exact conditional test of no association in K stratified 2x2 tables (events a / b per stratum)."""
+
+    p: float
+    observed_a: int
+    expected_a: float
+    events_a: tuple[int, ...]
+    n_a: tuple[int, ...]
+    events_b: tuple[int, ...]
+    n_b: tuple[int, ...]
+    test: str = "exact stratified (conditional) test"
+
+
+def exact_stratified(events_a: Sequence[int], n_a: Sequence[int], events_b: Sequence[int],
+                     n_b: Sequence[int]) -> ExactStratified:
+    """Exact test that arms a and b have one event rate within every stratum (the exact Mantel–Haenszel
+    test of a common odds ratio of 1; R's `mantelhaen.test(exact = TRUE)`, two-sided).
+
+    Stratum h has n_a,h units of a with x_h events and n_b,h of b, m_h events in all. Given every
+    stratum's margins, under H0 x_h ~ Hypergeometric(n_a,h + n_b,h, m_h, n_a,h) independently, so
+    S = Σ_h x_h has the convolution of those pmfs. Two-sided p = Σ P(S = s) over the s with
+    P(S = s) <= P(S = s_obs) (1 + 1e-7), the rule of Fisher's exact test, which this is for one stratum.
+    A stratum without events (or without units of one arm) carries no information and drops out;
+    p = 1 when none is left. Strata are in the order given.
+    """
+    xa, na_, xb, nb_ = (tuple(int(v) for v in seq) for seq in (events_a, n_a, events_b, n_b))
+    if not len(xa) == len(na_) == len(xb) == len(nb_):
+        raise ValueError("exact_stratified: one count per stratum in each of the four sequences")
+    pmf = np.ones(1)
+    low = 0
+    for x, na, y, nb in zip(xa, na_, xb, nb_, strict=True):
+        if not (0 <= x <= na and 0 <= y <= nb):
+            raise ValueError(f"exact_stratified: events outside 0..n in a stratum ({x}/{na}, {y}/{nb})")
+        m = x + y
+        lo, hi = max(0, m - nb), min(na, m)
+        stratum = sps.hypergeom.pmf(np.arange(lo, hi + 1), na + nb, m, na)
+        pmf, low = np.convolve(pmf, stratum), low + lo
+    observed = sum(xa)
+    expected = float(np.dot(np.arange(low, low + pmf.size), pmf))
+    p_obs = pmf[observed - low]
+    p = float(min(1.0, pmf[pmf <= p_obs * (1 + 1e-7)].sum()))
+    return ExactStratified(p, observed, expected, xa, na_, xb, nb_)
