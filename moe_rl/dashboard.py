@@ -178,6 +178,8 @@ REPORTS = (
                (*GROUPBY, "trainer.router_lr_scale"), (EVAL, CHANGE, KL, LOAD_CV, EVENTS_BY_KIND, EXTREMES)),
     ReportSpec("replay_variants", "Replay variants: fp32 routers and replayed gates against the bf16 mismatch",
                (*GROUPBY, "model.router_dtype", "routing.replay_gates"), (LOGP_DIFF, ROLLOUT_VS_OLD, REWARD, TOKEN_VAR)),
+    ReportSpec("confirm_sort_long", "Confirmatory (pre-registered): sustained regression of GRPO vs GRPO + R2 on sort_long, σ = 0.3, clipping off",
+               (*GROUPBY, "trainer.lr"), (EVAL, EVENTS_BY_KIND, GRAD, KL, CHANGE, EXTREMES, SEQ_EXTREMES)),
     ReportSpec("replay_staleness", "R2 vs R3 vs real staleness: replay arms x rollout.staleness",
                (*GROUPBY, "rollout.staleness"), (EVAL, VS_SAMPLER, LOGP_DIFF, KL, EVENTS_BY_KIND, EXTREMES)),
 )  # fmt: skip
