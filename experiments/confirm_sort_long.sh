@@ -16,11 +16,8 @@ calibrate() {
     "warmstart.build_seed=$w" eval.size=128 --batches 3 --lrs 1e-4,3e-4,1e-3,3e-3 --drift "" --weight-noise "" \
     --logit-noise 0.1,0.2,0.3,0.4 --out "$out/ws$w" > "$out/ws$w.log" 2>&1
 }
-for pair in "0 1" "2 3" "4 5"; do
-  read -r a b <<< "$pair"
-  calibrate "$a" & first=$!
-  calibrate "$b" & second=$!
-  wait "$first" && wait "$second"
-done
+export -f calibrate
+export out
+printf '%s\n' 0 1 2 3 4 5 | xargs -P 2 -I{} bash -c 'calibrate {}'
 moe-rl-calibrate --summarize "$out"/ws? --out "$out/summary"
 experiments/reproduce.sh confirm_sort_long hydra/launcher=joblib_local trainer.threads=1 resume=true
