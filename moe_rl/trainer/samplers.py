@@ -193,6 +193,9 @@ class VllmSampler(Stateless):
     def sync(self, model: PreTrainedModel) -> float:
         return self.engine.sync(model)
 
+    def close(self) -> None:
+        self.engine.close()
+
     def verify(self, model: PreTrainedModel, controller: RoutingController, probe: str, probe_ids: torch.Tensor) -> None:
         self.engine.verify(model, controller, [probe] * 2)  # the engine computes the model's function (fp32)
 

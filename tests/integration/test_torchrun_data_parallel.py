@@ -195,7 +195,7 @@ def test_uneven_split_over_ranks_is_refused():
     check_world(TrainerConfig(prompts_per_step=4, group_size=2, mini_batches=4), 1)
 
 
-def _torchrun(run_dir: Path, overrides: list[str], nproc: int = 2, **popen) -> subprocess.Popen:
+def launch_torchrun(run_dir: Path, overrides: list[str], nproc: int = 2, **popen) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -213,8 +213,8 @@ def _torchrun(run_dir: Path, overrides: list[str], nproc: int = 2, **popen) -> s
     )
 
 
-def _run(run_dir: Path, overrides: list[str], nproc: int = 2) -> dict:
-    proc = _torchrun(run_dir, overrides, nproc)
+def run_torchrun(run_dir: Path, overrides: list[str], nproc: int = 2) -> dict:
+    proc = launch_torchrun(run_dir, overrides, nproc)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
     return json.loads((run_dir / "summary.json").read_text())
@@ -230,7 +230,7 @@ def runs(tmp_path_factory, warm_overrides):
     root = tmp_path_factory.mktemp("dp")
     overrides = [*TINY, *warm_overrides, *DP, "eval.at_start=true"]
     train(compose_config(overrides), root / "one")
-    two = _run(root / "two", overrides)
+    two = run_torchrun(root / "two", overrides)
     return root, overrides, two
 
 
@@ -291,8 +291,8 @@ def test_two_process_run_resumes_to_the_same_metrics(runs):
     uninterrupted 2-process run logs, and its ranks still agree."""
     root, overrides, two = runs
     cut = root / "cut"
-    _run(cut, [*overrides, "trainer.steps=2"])
-    resumed = _run(cut, [*overrides, "resume=true"])
+    run_torchrun(cut, [*overrides, "trainer.steps=2"])
+    resumed = run_torchrun(cut, [*overrides, "resume=true"])
     assert comparable(read_metrics(cut)) == comparable(read_metrics(root / "two"))
     assert resumed["param_checksum_by_rank"] == two["param_checksum_by_rank"]
 
@@ -304,7 +304,7 @@ def test_two_processes_train_on_stale_rollouts_as_one_process_does(tmp_path, war
     same global batch; its ranks end bitwise identical."""
     overrides = [*TINY, *warm_overrides, *DP, "trainer.steps=3", "rollout.staleness=1", "routing.replay=rollout"]
     train(compose_config(overrides), tmp_path / "one")
-    two = _run(tmp_path / "two", overrides)
+    two = run_torchrun(tmp_path / "two", overrides)
     assert two["param_checksum_by_rank"][0] == two["param_checksum_by_rank"][1]
     one_rows, two_rows = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["staleness/max"] for r in two_rows] == [r["staleness/max"] for r in one_rows] == [0, 1, 1]
@@ -322,7 +322,7 @@ def test_fsdp_two_processes_match_one_process(runs):
     exports the full (gathered) weights to policy/."""
     root, overrides, _ = runs
     fsdp = root / "fsdp"
-    _run(fsdp, [*overrides, "trainer.steps=2", "trainer.parallel=fsdp"])
+    run_torchrun(fsdp, [*overrides, "trainer.steps=2", "trainer.parallel=fsdp"])
     for a, b in zip(read_metrics(root / "one")[:2], read_metrics(fsdp), strict=True):
         assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
         for key in ("train/loss", "train/grad_norm"):
@@ -343,7 +343,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _worker_pids(launcher: int) -> dict[int, int]:
+def worker_pids(launcher: int) -> dict[int, int]:
     """torchrun's worker processes by rank, read from /proc (children and their RANK variable)."""
     pids = {}
     for task in Path(f"/proc/{launcher}/task").iterdir():
@@ -362,7 +362,7 @@ def test_failed_rank_ends_the_job_with_a_clear_error(tmp_path, warm_overrides, f
     error naming the failure; frozen, the other rank ends on its own by the 3 s collective timeout (the
     test then kills the frozen one rather than wait out torchrun's fixed 30 s grace)."""
     run_dir = tmp_path / fault
-    proc = _torchrun(
+    proc = launch_torchrun(
         run_dir,
         [
             *TINY,
@@ -378,7 +378,7 @@ def test_failed_rank_ends_the_job_with_a_clear_error(tmp_path, warm_overrides, f
     while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
         assert time.time() < deadline, "the run never logged a step"
         time.sleep(0.2)
-    workers = _worker_pids(proc.pid)
+    workers = worker_pids(proc.pid)
     os.kill(workers[1], signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
     t0 = time.time()
     try:

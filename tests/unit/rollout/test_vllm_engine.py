@@ -225,3 +225,130 @@ def test_the_vllm_engine_samples_stale_and_resumes_to_the_same_metrics(tmp_path,
     assert uncut[0]["mismatch/logp_abs_diff/mean"] < TOL
     assert all(m["routing/expert_change/vs_sampler"] > 0 for m in uncut[1:])
     assert all(m["mismatch/logp_abs_diff/mean"] > 1e-4 for m in uncut[1:])
+
+
+# --- one engine per rank under torchrun (CPU, gloo, 2 processes) ----------------------------------------
+
+VLLM_DP = ["sampler.engine=vllm", "objective=grpo_r3", "trainer.steps=3", "trainer.checkpoint_every=1",
+           "trainer.lr=1e-3", "logger.wandb=false", "trainer.dist_timeout_s=120"]
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory, warm_overrides):
+    """The same 3-step GRPO + R3 vLLM run in 1 process (in-process) and in 2 (torchrun, an engine per rank)."""
+    from moe_rl.trainer.run import train
+    from tests.integration.test_torchrun_data_parallel import run_torchrun
+    from tests.integration.test_train_loop import TINY, compose_config
+
+    root = tmp_path_factory.mktemp("vllm_dp")
+    overrides = [*TINY, *warm_overrides, *VLLM_DP]
+    train(compose_config(overrides), root / "one")
+    return root, overrides, run_torchrun(root / "two", overrides)
+
+
+@pytest.mark.slow
+def test_an_engine_per_rank_trains_as_one_process_and_r3_replays_each_ranks_routes(vllm_runs):
+    """2 processes, each sampling its shard of the global batch with its own engine, draw the 1-process run's
+    completions (a row's seed depends only on (step seed, row)) and log its rewards; losses and ratios agree
+    within the data-parallel tolerance. In fp32 every rank's engine routes as its trainer does, so R3's
+    replayed routes (each rank's own taps) give no mismatch and no routing difference on any rank's rows,
+    and both ranks end with bitwise identical parameters (each synced its own engine every step)."""
+    from tests.integration.test_torchrun_data_parallel import TOL as DP_TOL
+    from tests.integration.test_train_loop import read_metrics
+
+    root, _, two = vllm_runs
+    assert two["world_size"] == 2
+    assert two["param_checksum_by_rank"][0] == two["param_checksum_by_rank"][1]
+    one_rows, two_rows = read_metrics(root / "one"), read_metrics(root / "two")
+    assert [r["step"] for r in two_rows] == [0, 1, 2]
+    assert any(r["train/loss"] != 0 for r in one_rows) and any(r["rollout/reward/mean"] > 0 for r in one_rows)
+    for a, b in zip(one_rows, two_rows, strict=True):
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+        assert a["rollout/response_len/mean"] == b["rollout/response_len/mean"]
+        for key in ("train/loss", "train/grad_norm", "ratio/token/mean", "policy/approx_kl"):
+            assert b[key] == pytest.approx(a[key], rel=DP_TOL, abs=DP_TOL), key
+        assert b["mismatch/logp_abs_diff/mean"] < TOL and b["routing/rollout_vs_old/frac"] == 0.0
+        assert 0 < b["time/weight_sync_s"] < 30
+
+
+@pytest.mark.slow
+def test_an_engine_per_rank_under_fsdp_syncs_the_gathered_weights(vllm_runs):
+    """FSDP2 over 2 processes: each rank gathers the full weights to sync its engine after every step, so the
+    engines sample the 1-process run's completions at step 1 too (after an update) and R3 replays their
+    routes exactly; losses agree within the data-parallel tolerance."""
+    from tests.integration.test_torchrun_data_parallel import TOL as DP_TOL
+    from tests.integration.test_torchrun_data_parallel import run_torchrun
+    from tests.integration.test_train_loop import read_metrics
+
+    root, overrides, _ = vllm_runs
+    run_torchrun(root / "fsdp", [*overrides, "trainer.steps=2", "trainer.parallel=fsdp"])
+    for a, b in zip(read_metrics(root / "one")[:2], read_metrics(root / "fsdp"), strict=True):
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+        assert a["rollout/response_len/mean"] == b["rollout/response_len/mean"]
+        for key in ("train/loss", "train/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=DP_TOL, abs=DP_TOL), key
+        assert b["mismatch/logp_abs_diff/mean"] < TOL and b["routing/rollout_vs_old/frac"] == 0.0
+
+
+@pytest.mark.slow
+def test_an_engine_per_rank_run_resumes_to_the_same_metrics(vllm_runs):
+    """Stopped after 2 steps and resumed (each rank starts a new engine and syncs it to the checkpoint), the
+    2-process vLLM run logs what the uninterrupted one does."""
+    from tests.integration.test_torchrun_data_parallel import run_torchrun
+    from tests.integration.test_train_loop import comparable, read_metrics
+
+    root, overrides, two = vllm_runs
+    cut = root / "cut"
+    run_torchrun(cut, [*overrides, "trainer.steps=2"])
+    resumed = run_torchrun(cut, [*overrides, "resume=true"])
+    assert comparable(read_metrics(cut)) == comparable(read_metrics(root / "two"))
+    assert resumed["param_checksum_by_rank"] == two["param_checksum_by_rank"]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_vllm_job_in_one_line(tmp_path, warm_overrides):
+    """A rank killed (SIGKILL) mid-run ends the 2-process vLLM job with a non-zero exit naming the killed rank,
+    without waiting out the collective timeout."""
+    import signal
+    import time
+
+    from tests.integration.test_torchrun_data_parallel import launch_torchrun, worker_pids
+    from tests.integration.test_train_loop import TINY
+
+    run_dir = tmp_path / "dies"
+    proc = launch_torchrun(run_dir, [*TINY, *warm_overrides, *VLLM_DP, "trainer.steps=1000", "trainer.checkpoint_every=0"])
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.time() < deadline, "the run never logged a step"
+        time.sleep(0.2)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode != 0 and time.time() - t0 < 120
+    assert "rank      : 1" in out and "SIGKILL" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_an_engine_that_fails_to_start_on_one_rank_ends_every_rank(tmp_path, warm_overrides):
+    """Rank 1's engine cannot start (a KV-cache size vLLM cannot parse, set for rank 1 only by a launcher
+    script): rank 1 exits at once with one line naming itself and vLLM's error, torchrun stops rank 0 (which
+    may be waiting for it inside vLLM's start-up), and nothing waits out the collective timeout (120 s)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.integration.test_train_loop import TINY
+
+    launcher = tmp_path / "launch.py"
+    launcher.write_text("import os, runpy\nif os.environ['RANK'] == '1':\n    os.environ['VLLM_CPU_KVCACHE_SPACE'] = 'lots'\n"
+                        "runpy.run_module('moe_rl.train', run_name='__main__')\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(launcher),
+           *TINY, *warm_overrides, *VLLM_DP, f"hydra.run.dir={tmp_path / 'run'}"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"},
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.time() - t0 < 120, out[-3000:]
+    assert "rank 1 of 2: vLLM could not start an engine for Qwen3MoeForCausalLM" in out, out[-3000:]
+    assert "dist_timeout_s" not in out, "no rank may wait out the collective timeout"
