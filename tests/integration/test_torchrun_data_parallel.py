@@ -289,7 +289,12 @@ def test_two_processes_keep_ranks_identical_and_match_one_process(runs):
 def test_two_process_run_resumes_to_the_same_metrics(runs):
     """A 2-process run stopped after 2 steps and resumed (both ranks load the checkpoint) logs what the
     uninterrupted 2-process run logs, and its ranks still agree."""
-    root, overrides, two = runs
+    assert_stopped_run_resumes(*runs)
+
+
+def assert_stopped_run_resumes(root: Path, overrides: list[str], two: dict) -> None:
+    """The 2-process run of `overrides` stopped after 2 steps and resumed logs what the uninterrupted one in
+    root / "two" (whose summary is `two`) logged, and its ranks end as that run's did."""
     cut = root / "cut"
     run_torchrun(cut, [*overrides, "trainer.steps=2"])
     resumed = run_torchrun(cut, [*overrides, "resume=true"])

@@ -326,15 +326,9 @@ def test_a_tensor_parallel_size_the_processes_cannot_divide_is_refused():
 def test_an_engine_per_rank_run_resumes_to_the_same_metrics(vllm_runs):
     """Stopped after 2 steps and resumed (each rank starts a new engine and syncs it to the checkpoint), the
     2-process vLLM run logs what the uninterrupted one does."""
-    from tests.integration.test_torchrun_data_parallel import run_torchrun
-    from tests.integration.test_train_loop import comparable, read_metrics
+    from tests.integration.test_torchrun_data_parallel import assert_stopped_run_resumes
 
-    root, overrides, two = vllm_runs
-    cut = root / "cut"
-    run_torchrun(cut, [*overrides, "trainer.steps=2"])
-    resumed = run_torchrun(cut, [*overrides, "resume=true"])
-    assert comparable(read_metrics(cut)) == comparable(read_metrics(root / "two"))
-    assert resumed["param_checksum_by_rank"] == two["param_checksum_by_rank"]
+    assert_stopped_run_resumes(*vllm_runs)
 
 
 @pytest.mark.slow
