@@ -292,7 +292,8 @@ def summary_table(results: list[tuple[str, dict]]) -> str:
     lrs = sorted({r["scale"] for _, res in results for r in res["rows"] if r["kind"] == "natural"})
     head = ["policy", "experts / top-k / layers", "aux", "router lr x", "margin median", "p10", "< 0.1", "load CV", "dead",
             *[f"change, lr {lr:g}" for lr in lrs], *[f"mean \\|Δlogp\\|, lr {lr:g}" for lr in lrs],
-            *[f"\\|Δlogp\\| per point, lr {lr:g}" for lr in lrs], "logit noise: σ, measured / predicted"]
+            *[f"\\|Δlogp\\| per point, lr {lr:g}" for lr in lrs], "logit noise: σ, measured / predicted",
+            "logit noise per point / natural's at the nearest change: σ: ratio (lr)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, res in results:
         c, r = res["config"], res["router"]
@@ -305,9 +306,23 @@ def summary_table(results: list[tuple[str, dict]]) -> str:
                  *[f"{nat[lr]['dlogp_mean']:.4f}" if lr in nat else "" for lr in lrs],
                  *[damage_per_point(nat.get(lr)) for lr in lrs],
                  ", ".join(f"{x['scale']:g}: {100 * x['expert_change']:.1f}% / {100 * x['predicted_change']:.1f}%"
-                           for x in noise)]
+                           for x in noise),
+                 ", ".join(f"{x['scale']:g}: {ratio:.2f} ({lr:g})" for x in noise
+                           for ratio, lr in [noise_vs_natural(x, list(nat.values()))] if math.isfinite(ratio))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def noise_vs_natural(noise: dict, natural: list[dict]) -> tuple[float, float]:
+    """(ratio, lr): an injection row's damage per point of expert change (mean |Δ log π| / change) over the
+    natural update's at the lr whose change after one update is nearest the injection's (on a log scale);
+    1 means it damages as natural re-routing does per changed expert. (nan, nan) without a comparable row."""
+    usable = [r for r in natural if r["expert_change"] > 0 and r["dlogp_mean"] > 0]
+    if noise["expert_change"] <= 0 or not usable:
+        return math.nan, math.nan
+    near = min(usable, key=lambda r: abs(math.log(r["expert_change"] / noise["expert_change"])))
+    ratio = (noise["dlogp_mean"] / noise["expert_change"]) / (near["dlogp_mean"] / near["expert_change"])
+    return ratio, near["scale"]
 
 
 def damage_per_point(row: dict | None) -> str:

@@ -68,3 +68,19 @@ def test_calibration_refuses_a_perturbed_config(tmp_path):
     """Calibrating a config that already injects a perturbation stops with a message naming it."""
     with pytest.raises(SystemExit, match="routing.drift"):
         main([*TINY, "routing.drift=0.1", "--out", str(tmp_path)])
+
+
+def test_noise_against_natural_damage_per_point_at_the_nearest_change():
+    """The calibration check of confirm_sort_long: logit noise's |Δ log π| per point of change over the
+    natural update's at the lr whose change is nearest (log scale), by hand."""
+    from moe_rl.calibrate import noise_vs_natural
+
+    natural = [{"scale": 1e-3, "expert_change": 0.0192, "dlogp_mean": 0.0028},
+               {"scale": 3e-3, "expert_change": 0.0630, "dlogp_mean": 0.0439},
+               {"scale": 1e-4, "expert_change": 0.0, "dlogp_mean": 0.0}]
+    ratio, lr = noise_vs_natural({"expert_change": 0.0509, "dlogp_mean": 0.0023}, natural)
+    assert lr == 3e-3 and ratio == pytest.approx((0.0023 / 0.0509) / (0.0439 / 0.0630), rel=1e-12)
+    ratio, lr = noise_vs_natural({"expert_change": 0.0171, "dlogp_mean": 0.0011}, natural)
+    assert lr == 1e-3 and ratio == pytest.approx((0.0011 / 0.0171) / (0.0028 / 0.0192), rel=1e-12)
+    assert all(math.isnan(x) for x in noise_vs_natural({"expert_change": 0.0, "dlogp_mean": 0.0}, natural))
+    assert all(math.isnan(x) for x in noise_vs_natural({"expert_change": 0.02, "dlogp_mean": 0.001}, natural[2:]))
