@@ -1,7 +1,7 @@
 """vLLM sampling throughput at 1 and 2 ranks on this machine: one engine in one process against an engine per
 rank under torchrun, side by side in one run. Run it with the vLLM environment's Python:
 
-    .venv-vllm/bin/python experiments/bench/vllm_ranks.py --out bench_out/vllm_ranks.json     # ~5 min
+    .venv-vllm/bin/python experiments/bench/vllm_ranks.py --fsdp --out bench_out/vllm_ranks.json   # ~8 min
     .venv-vllm/bin/python experiments/bench/vllm_ranks.py --steps 2 --repeats 1               # a quick look
 
 Workload: the reference of experiments/bench/workload.py's shape through the real entry point
@@ -10,14 +10,16 @@ model without a warm start, fp32, GRPO + R3 (so the taps' routes are replayed), 
 
 - `1 rank`: one process, one engine, trainer.threads = all cores;
 - `2 ranks`: torchrun with 2 processes (gloo), an engine per rank, each rank sampling half the rows,
-  trainer.threads = cores / 2 each.
+  trainer.threads = cores / 2 each;
+- `2 ranks fsdp` (with --fsdp): the same under trainer.parallel=fsdp, where each rank gathers the full
+  weights (an all-gather per parameter) before it syncs its engine.
 
-Each block runs --steps RL steps; step 0 (the engines' first forwards) is dropped. Blocks alternate
-(1, 2, 2, 1, ... for --repeats pairs: a linear drift of the machine cancels). Per block: rollout seconds
+Each block runs --steps RL steps; step 0 (the engines' first forwards) is dropped. Blocks run in the
+order A B (C) (C) B A, repeated --repeats / 2 times: a linear drift of the machine cancels. Per block: rollout seconds
 per step (`time/rollout_s`, the slowest rank's), sampled tokens per second of rollout wall time (all ranks'
 response tokens / `time/rollout_s`), weight-sync seconds (`time/weight_sync_s`, the slowest rank's) and
 whole steps per hour (`time/step_s`). The engines' start-up is reported from the runs' logs of it, once.
-Ratios are 2 ranks over 1, of the medians over blocks.
+Ratios are over the 1-rank condition, of the medians over blocks.
 """
 
 from __future__ import annotations
@@ -44,16 +46,20 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def block(ranks: int, steps: int, folder: Path) -> dict[str, float]:
-    """One run of `steps` RL steps at `ranks` processes; medians over its steps after the first."""
+CONDITIONS = {"1 rank": (1, "ddp"), "2 ranks": (2, "ddp"), "2 ranks fsdp": (2, "fsdp")}
+
+
+def block(condition: str, steps: int, folder: Path) -> dict[str, float]:
+    """One run of `steps` RL steps of `condition`; medians over its steps after the first."""
+    ranks, parallel = CONDITIONS[condition]
     threads = max(1, cores() // ranks)
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
     cmd = [sys.executable, *launch, "-m", "moe_rl.train", *WORKLOAD, f"trainer.steps={steps}",
-           f"trainer.threads={threads}", f"hydra.run.dir={folder}"]
+           f"trainer.threads={threads}", f"trainer.parallel={parallel}", f"hydra.run.dir={folder}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"{ranks}-rank block failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        raise SystemExit(f"{condition} block failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()][1:]
     tokens = 32 * 8 * 32  # every row samples exactly max_new_tokens (EOS suppressed)
     med = lambda key: statistics.median(float(r[key]) for r in rows)  # noqa: E731
@@ -64,25 +70,28 @@ def block(ranks: int, steps: int, folder: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="RL steps per block (the first is dropped)")
-    parser.add_argument("--repeats", type=int, default=2, help="pairs of blocks per condition (ABBA order)")
+    parser.add_argument("--repeats", type=int, default=2, help="blocks per condition (even: ABBA order)")
+    parser.add_argument("--fsdp", action="store_true", help="also 2 ranks under trainer.parallel=fsdp")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here too")
     args = parser.parse_args()
-    order = [r for i in range(args.repeats) for r in ((1, 2) if i % 2 == 0 else (2, 1))]
-    blocks: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    names = [*CONDITIONS][: 3 if args.fsdp else 2]
+    order = [c for i in range(args.repeats) for c in (names if i % 2 == 0 else names[::-1])]
+    blocks: dict[str, list[dict[str, float]]] = {c: [] for c in names}
     with tempfile.TemporaryDirectory(prefix="moe-rl-bench-") as tmp:
-        for i, ranks in enumerate(order):
-            blocks[ranks].append(block(ranks, args.steps, Path(tmp) / f"{i}-{ranks}"))
-            print(f"block {i + 1}/{len(order)}: {ranks} rank(s) {blocks[ranks][-1]}", flush=True)
-    table = {str(r): {k: statistics.median(b[k] for b in bs) for k in bs[0]} for r, bs in blocks.items()}
-    ratio = {k: table["2"][k] / table["1"][k] for k in table["1"]}
+        for i, condition in enumerate(order):
+            blocks[condition].append(block(condition, args.steps, Path(tmp) / str(i)))
+            print(f"block {i + 1}/{len(order)}: {condition} {blocks[condition][-1]}", flush=True)
+    table = {c: {k: statistics.median(b[k] for b in bs) for k in bs[0]} for c, bs in blocks.items()}
+    ratio = {c: {k: table[c][k] / table[names[0]][k] for k in table[c]} for c in names[1:]}
     print(f"\n{cores()} cores, {args.steps - 1} timed steps per block, {args.repeats} blocks per condition\n")
-    print("| ranks | rollout s / step | sampled tokens / s | weight sync s | RL steps / hour |")
+    print("| condition | rollout s / step | sampled tokens / s | weight sync s | RL steps / hour |")
     print("|---|---|---|---|---|")
-    for r, row in table.items():
-        print(f"| {r} | {row['rollout_s']:.2f} | {row['sampled_tokens_per_s']:.0f} | {row['weight_sync_s']:.3f} "
+    for c, row in table.items():
+        print(f"| {c} | {row['rollout_s']:.2f} | {row['sampled_tokens_per_s']:.0f} | {row['weight_sync_s']:.3f} "
               f"| {row['steps_per_hour']:.0f} |")
-    print(f"| 2 / 1 | {ratio['rollout_s']:.2f}x | {ratio['sampled_tokens_per_s']:.2f}x | "
-          f"{ratio['weight_sync_s']:.2f}x | {ratio['steps_per_hour']:.2f}x |")
+    for c, r in ratio.items():
+        print(f"| {c} / {names[0]} | {r['rollout_s']:.2f}x | {r['sampled_tokens_per_s']:.2f}x | "
+              f"{r['weight_sync_s']:.2f}x | {r['steps_per_hour']:.2f}x |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"cores": cores(), "steps": args.steps, "repeats": args.repeats,
