@@ -9,6 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=cal/confirm_sort_long
 mkdir -p "$out"
+# One driver at a time: a second one would calibrate and train the same runs twice.
+exec 9> "$out/.driver.lock"
+flock -n 9 || { echo "confirm_sort_long.sh: another driver is running (it holds $out/.driver.lock)" >&2; exit 1; }
 calibrate() {
   local w=$1
   [[ -e $out/ws$w/calibration.json ]] && return 0
