@@ -210,13 +210,18 @@ def by_warm_start(runs: Sequence[Run], per_run: Callable[[Run], float]) -> dict[
     return dict(out)
 
 
+def warm_start_verdict(d: Difference) -> str:
+    """stats.verdict of a contrast over warm starts: it counts warm starts, and needs MIN_WARM_STARTS of them."""
+    return verdict(d, min_seeds=MIN_WARM_STARTS).replace("seed(s)", "warm start(s)")
+
+
 def contrast_row(a: Sequence[Run], b: Sequence[Run], per_run: Callable[[Run], float]) -> dict[str, Any]:
     """cluster_contrast of per_run between two arms' runs, as a table.json row with its verdict."""
     c = cluster_contrast(by_warm_start(a, per_run), by_warm_start(b, per_run))
     return {"diff": c.diff, "lo": c.lo, "hi": c.hi, "p": c.p, "test": c.test, "warm_starts": c.warm_starts,
             "runs": c.runs, "var_between": c.var_between, "var_within": c.var_within, "icc": c.icc,
             "per_warm_start": list(c.per_warm_start),
-            "verdict": verdict(c.difference(), min_seeds=MIN_WARM_STARTS).replace("seed(s)", "warm start(s)")}  # fmt: skip
+            "verdict": warm_start_verdict(c.difference())}  # fmt: skip
 
 
 def _num(x: float, fmt: str = ".3g") -> str:
@@ -255,8 +260,8 @@ def format_clusters(pairs: list[dict]) -> str:
 def format_regression_by_warm_start(a: str, b: str, reg: dict[str, Any]) -> str:
     """One sentence: each arm's sustained regressions, per warm start, and the two stratified tests' p."""
     per = ", ".join(f"{w['regressed_a']}/{w['n_a']} vs {w['regressed_b']}/{w['n_b']}" for w in reg["per_warm_start"])
-    judged = verdict(Difference(math.nan, math.nan, math.nan, reg["exact_p"], reg["warm_starts"], reg["warm_starts"],
-                                reg["exact_test"]), min_seeds=MIN_WARM_STARTS).replace("seed(s)", "warm start(s)")
+    judged = warm_start_verdict(Difference(math.nan, math.nan, math.nan, reg["exact_p"], reg["warm_starts"],
+                                           reg["warm_starts"], reg["exact_test"]))
     return (f"- **{a}** vs **{b}**, sustained regression by warm start: {reg['regressed_a']}/{reg['n_a']} vs "
             f"{reg['regressed_b']}/{reg['n_b']} ({per}); {reg['exact_test']} p = {_num(reg['exact_p'])}, "
             f"{reg['logrank_test']} χ² = {_num(reg['logrank_chi2'])}, p = {_num(reg['logrank_p'])}: {judged}.")

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.clusters import CLUSTERED, MIN_WARM_STARTS, cluster_contrast, detect_design, unit, unit_key
+from analysis.clusters import CLUSTERED, cluster_contrast, detect_design, unit, unit_key, warm_start_verdict
 from analysis.figures import finite_mean
 from analysis.load import Run
 from analysis.outcomes import auc, has_expected
@@ -172,7 +172,7 @@ def _over_warm_starts(a: dict[Any, float], b: dict[Any, float], cluster_of: dict
     for u, v in b.items():
         by_b[cluster_of[u]][u] = v
     c = cluster_contrast(dict(by_a), dict(by_b))
-    words = verdict(c.difference(), min_seeds=MIN_WARM_STARTS).replace("seed(s)", "warm start(s)")
+    words = warm_start_verdict(c.difference())
     return {"diff": c.diff, "lo": c.lo, "hi": c.hi, "p": c.p, "n": c.warm_starts, "test": c.test,
             "var_between": c.var_between, "icc": c.icc, "verdict": words}  # fmt: skip
 
