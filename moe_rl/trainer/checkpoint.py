@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from moe_rl.errors import RunError
+from moe_rl.json_numbers import to_json
 
 CHECKPOINT = "checkpoint.pt"
 PREVIOUS = "checkpoint.prev.pt"
@@ -246,15 +247,14 @@ def resume_state(
     defaults: dict[str, Any] | None = None,
     run_id: str | None = None,
 ) -> dict[str, Any] | None:
-    """The checkpoint of run `run_id` (any, if None) to resume from, or None (with a warning) when the
-    folder has none.
+    """The checkpoint of run `run_id` (any, if None) to resume from, or None when the folder has none (the
+    caller says what it does then: a finished run is left as it is, an unfinished one starts fresh).
 
     Raises CheckpointError when the folder's checkpoints are unusable, and RunError when the
     checkpoint's config differs from `config` outside RESUME_SAFE (unless `force`).
     """
     state = load_checkpoint(run_dir, run_id)
     if state is None:
-        warnings.warn(f"resume=true, but {run_dir} has no checkpoint: starting fresh", RuntimeWarning, stacklevel=2)
         return None
     diff = config_diff(state["config"], config, defaults)
     if diff and not force:
@@ -267,6 +267,47 @@ def resume_state(
     if diff:
         warnings.warn(f"resume_force=true: resuming with changed fields {', '.join(diff)}", RuntimeWarning, stacklevel=2)
     return state
+
+
+def finished_without_checkpoint(
+    run_dir: Path,
+    config: dict[str, Any],
+    steps: int,
+    *,
+    force: bool,
+    defaults: dict[str, Any] | None = None,
+    run_id: str | None = None,
+) -> dict[str, Any] | None:
+    """The summary.json of a run of id `run_id` (any, if None) that finished (all `steps` done, or stopped
+    on collapse) but whose checkpoints are gone: deleted to save disk, or a run unpacked from an archive
+    (moe-rl-archive). Resuming it has nothing to do. None when the folder holds no such run.
+
+    The summary's recorded config stands in for the checkpoint's: a difference outside RESUME_SAFE is
+    refused (RunError) unless `force`, and so is a summary that records no config (one written before
+    summaries did), since nothing then tells whether it is this config's run.
+    """
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if run_id is not None and summary.get("run_id") != run_id:
+        return None
+    if not (summary.get("steps_done", -1) >= steps or summary.get("stopped_on_collapse")):
+        return None
+    recorded = summary.get("config")
+    if recorded is None:
+        raise RunError(
+            f"resume=true refused: {run_dir} holds a finished run without checkpoints whose summary.json records "
+            "no config to check this one against; add overwrite=true to move it aside and run again"
+        )
+    diff = config_diff(recorded, json.loads(to_json(config)), json.loads(to_json(defaults or {})))
+    if diff and not force:
+        shown = ", ".join(f"{k} ({_flatten(recorded).get(k)!r} -> {_flatten(config).get(k)!r})" for k in diff)
+        raise RunError(
+            f"resume=true refused: the config differs from that of the finished run in {run_dir} in {shown}; "
+            "resume with the run's own config, or add resume_force=true to accept it anyway"
+        )
+    return summary
 
 
 def finished_summary(run_dir: Path, state: dict[str, Any], steps: int) -> dict[str, Any] | None:

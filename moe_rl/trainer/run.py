@@ -47,6 +47,7 @@ from moe_rl.tasks import DatasetTask, Task
 from moe_rl.trainer.checkpoint import (
     CHECKPOINT,
     finished_summary,
+    finished_without_checkpoint,
     hydra_files,
     restore_hydra_files,
     resume_state,
@@ -66,7 +67,15 @@ from moe_rl.trainer.distributed import (
 )
 from moe_rl.trainer.evaluate import evaluate, initial_metrics
 from moe_rl.trainer.export import export_policy
-from moe_rl.trainer.folder import check_fresh_start, folder_lock, folder_run_id, record_run_id
+from moe_rl.trainer.folder import (
+    RUN_ID,
+    check_fresh_start,
+    folder_lock,
+    folder_run_id,
+    move_aside,
+    record_run_id,
+    run_files,
+)
 from moe_rl.trainer.logging import (
     CollapseAlerts,
     LocalLog,
@@ -371,6 +380,18 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
         warnings.warn(f"{run_dir} already finished at step {state['step']}: nothing to resume", RuntimeWarning, stacklevel=3)
         dist.close()
         return done
+    if cfg.resume and state is None:
+        done = finished_without_checkpoint(run_dir, dataclasses.asdict(cfg), cfg.trainer.steps,
+                                           force=cfg.resume_force, defaults=dataclasses.asdict(Config()), run_id=known_id)
+        if done is not None:
+            warnings.warn(f"{run_dir} already finished at step {done['steps_done']} (its checkpoints are gone): "
+                          "nothing to resume", RuntimeWarning, stacklevel=3)
+            dist.close()
+            return done
+        aside = move_aside(run_dir) if dist.main and set(run_files(run_dir)) - {RUN_ID} else None  # unfinished
+        moved = f": its earlier files are now in {aside}" if aside else ""
+        warnings.warn(f"resume=true, but {run_dir} has no checkpoint{moved}; starting fresh", RuntimeWarning, stacklevel=3)
+        known_id = dist.broadcast(folder_run_id(run_dir) if dist.main else None)
     rid = None
     if dist.main:
         (run_dir / "failed.json").unlink(missing_ok=True)  # from an earlier attempt at this job
@@ -494,6 +515,8 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
         # Equal on every rank under DDP (each rank's own shards under FSDP): a check that ranks agree.
         "param_checksum_by_rank": checksums,
         **info,
+        # What a resume of this finished run checks when its checkpoints are gone (finished_without_checkpoint).
+        "config": config_dict,
     }
     if dist.main:
         tmp = run_dir / ".summary.json.tmp"

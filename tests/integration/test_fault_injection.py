@@ -776,6 +776,28 @@ def test_fresh_run_into_a_finished_folder_is_refused_and_overwrite_keeps_the_old
                  "new run's checkpoints carry only its own run id")
 
 
+def test_resume_of_a_finished_run_without_checkpoints_changes_nothing(tmp_path, cli_finished, fault_report):
+    """A finished run whose checkpoints were deleted (or that moe-rl-archive unpacked), through moe-rl-train
+    resume=true: exit 0, nothing trained and every file byte for byte; with a changed seed, refused in one
+    line (exit 1), the files again unchanged."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(cli_finished, run_dir)
+    for name in (CHECKPOINT, PREVIOUS):
+        (run_dir / name).unlink()
+    before = _run_files(run_dir)
+    args = [*CLI, "trainer.checkpoint_every=1", "resume=true", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0 and "(its checkpoints are gone): nothing to resume" in proc.stderr, proc.stderr[-2000:]
+    assert _run_files(run_dir) == before
+    refused = subprocess.run([*args, "seed=5"], capture_output=True, text=True, timeout=600, env=ENV)
+    lines = _stderr_lines(refused)
+    assert refused.returncode == 1 and len(lines) == 1 and "differs from that of the finished run" in lines[0]
+    assert "seed (0 -> 5)" in lines[0] and _run_files(run_dir) == before
+    fault_report("`moe-rl-train resume=true` on a finished run whose checkpoints are gone (deleted, or unpacked by "
+                 "`moe-rl-archive`); then with seed=5", _seen(proc.stderr, tmp_path) + " / then: "
+                 + lines[0].replace(str(tmp_path), "RUN"), "every file of the folder byte for byte; nothing trained")
+
+
 @pytest.mark.parametrize("case", ["changed_config", "bad_config"])
 def test_refused_resume_changes_nothing_on_disk(tmp_path, cli_finished, fault_report, case):
     """Through moe-rl-train, a resume refused for a changed config (exit 1) or a bad value (exit 2) prints one line and leaves every file of the folder, .hydra/ included, byte for byte."""

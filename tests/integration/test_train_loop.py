@@ -13,6 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from moe_rl.config import Config
+from moe_rl.errors import RunError
 from moe_rl.rollout import sample
 from moe_rl.train import CONF_DIR, to_config
 from moe_rl.trainer import batch as batch_module
@@ -497,6 +498,34 @@ def test_resume_matches_uninterrupted_run(tmp_path, warm_overrides):
     initial = [{k: v for k, v in r.items() if k.startswith("eval/initial/")} for r in cut]
     assert initial[0] and not any(initial[1:]), "the pre-update eval is logged once, in step 0's row"
     assert initial[0] == {k: v for k, v in uncut[0].items() if k.startswith("eval/initial/")}
+
+
+def test_resume_without_checkpoints_keeps_a_finished_run_and_moves_an_unfinished_one_aside(tmp_path):
+    """Checkpoints deleted (to save disk, or a run unpacked by moe-rl-archive): resume=true leaves a finished
+    run's files byte for byte and returns its summary, refuses a changed config naming the field, and moves
+    the files of a run that asks for more steps aside before it starts fresh: nothing is lost."""
+    cfg = compose_config([*TINY, "warmstart.enabled=false", "logger.wandb=false"])
+    run = tmp_path / "run"
+    summary = train(cfg, run)
+    assert summary["config"]["trainer"]["steps"] == 2
+    for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+        (run / name).unlink(missing_ok=True)
+    kept = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "summary.json", "run_id.txt")}
+    with pytest.warns(RuntimeWarning, match="already finished at step 2 \\(its checkpoints are gone\\)"):
+        again = train(replace(cfg, resume=True), run)
+    assert again["run_id"] == summary["run_id"]
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    changed = replace(cfg, resume=True, trainer=replace(cfg.trainer, lr=cfg.trainer.lr * 2))
+    with pytest.raises(RunError, match=r"differs from that of the finished run .* in trainer\.lr") as err:
+        train(changed, run)
+    assert "\n" not in str(err.value) and {name: (run / name).read_bytes() for name in kept} == kept
+    longer = replace(cfg, resume=True, trainer=replace(cfg.trainer, steps=3))
+    with pytest.warns(RuntimeWarning, match="has no checkpoint: its earlier files are now in .*; starting fresh"):
+        third = train(longer, run)
+    (aside,) = run.glob("overwritten-*")
+    assert {name: (aside / name).read_bytes() for name in kept} == kept
+    assert third["steps_done"] == 3 and third["run_id"] != summary["run_id"]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
 
 
 def test_unstable_config_logs_collapse_events(tmp_path, warm_overrides):

@@ -28,6 +28,7 @@ from moe_rl.trainer.checkpoint import (
     CheckpointError,
     config_diff,
     finished_summary,
+    finished_without_checkpoint,
     load_checkpoint,
     resume_state,
     rng_state,
@@ -207,10 +208,28 @@ def test_resume_with_changed_config_is_refused_in_one_line_unless_forced(tmp_pat
         assert resume_state(tmp_path, changed, force=True)["step"] == 2
 
 
-def test_resume_without_checkpoint_says_it_starts_fresh(tmp_path):
-    """resume=true on a folder with no checkpoint warns that it starts fresh and returns None."""
-    with pytest.warns(RuntimeWarning, match="no checkpoint.*starting fresh"):
-        assert resume_state(tmp_path, {}, force=False) is None
+def test_resume_without_checkpoint_returns_none(tmp_path):
+    """resume=true on a folder with no checkpoint has no state to resume (the run then decides, and warns:
+    tests/integration/test_train_loop.py)."""
+    assert resume_state(tmp_path, {}, force=False) is None
+
+
+def test_a_finished_run_without_checkpoints_is_recognised_only_with_its_own_config(tmp_path):
+    """finished_without_checkpoint: the summary's recorded config stands in for the checkpoint's; a summary
+    without one, another run's id, or fewer steps than asked is not a finished run of this config."""
+    config = {"seed": 0, "trainer": {"steps": 4, "lr": 1e-4}, "eval": {"every": math.inf}}
+    summary = {"run_id": "a", "steps_done": 4, "stopped_on_collapse": None, "config": config}
+    (tmp_path / "summary.json").write_text(to_json(summary))
+    assert finished_without_checkpoint(tmp_path, config, 4, force=False, run_id="a")["run_id"] == "a"
+    assert finished_without_checkpoint(tmp_path, config, 8, force=False) is None  # more steps: not finished
+    assert finished_without_checkpoint(tmp_path, config, 4, force=False, run_id="b") is None
+    other = {**config, "trainer": {"steps": 4, "lr": 2e-4}}
+    with pytest.raises(RunError, match=r"trainer\.lr \(0\.0001 -> 0\.0002\)"):
+        finished_without_checkpoint(tmp_path, other, 4, force=False)
+    assert finished_without_checkpoint(tmp_path, other, 4, force=True) is not None
+    (tmp_path / "summary.json").write_text(to_json({k: v for k, v in summary.items() if k != "config"}))
+    with pytest.raises(RunError, match="records no config"):
+        finished_without_checkpoint(tmp_path, config, 4, force=False)
 
 
 def test_finished_run_is_recognised_only_when_summary_matches_checkpoint(tmp_path):
