@@ -1,0 +1,152 @@
+"""Carry a sweep's finished runs from one sitting to the next: pack their records into one compressed file,
+and unpack them into the sweep folder of a later sitting, on a machine that kept nothing.
+
+    moe-rl-archive pack multirun/confirm_sort_long runs/sitting1.tar.xz --skip runs/*.tar.xz
+    moe-rl-archive unpack runs/*.tar.xz --into multirun/confirm_sort_long
+
+- **What a record is.** Of each finished run folder (summary.json and metrics.jsonl, the folders
+  moe-rl-analyze reads), the files in RECORD: its metrics, events, summary (with the run's config), run id
+  and Hydra's record. Not its checkpoints, exported policy or W&B folder: a record is what analysis and a
+  resume of the finished run need, about 0.1 MB compressed for 200 steps. Paths are kept relative to the
+  sweep folder, so a record unpacks where its run was.
+- **Nothing is replaced.** `pack` refuses an output that exists; `unpack` refuses, before it writes
+  anything, a file that exists with other bytes (equal ones are skipped), and any member outside the
+  folder. A run already in a `--skip` archive is left out of a new one, so each sitting adds its own.
+- **A sweep over unpacked runs leaves them as they are.** `resume=true` finds a finished run without
+  checkpoints and returns its summary, once its recorded config matches the job's
+  (moe_rl.trainer.checkpoint.finished_without_checkpoint); the unfinished jobs run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import tarfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path, PurePosixPath
+
+from moe_rl.errors import RunError, one_line
+
+RECORD = ("metrics.jsonl", "events.jsonl", "summary.json", "run_id.txt", ".hydra/config.yaml",
+          ".hydra/overrides.yaml", ".hydra/hydra.yaml")  # fmt: skip
+"""The files of a finished run folder that an archive keeps, those present."""
+
+
+def finished_runs(sweep: Path) -> list[Path]:
+    """Run folders under `sweep` (recursively, or `sweep` itself) holding summary.json and metrics.jsonl,
+    outside Hydra's records and folders moved aside by overwrite=true, relative to `sweep`, sorted."""
+    if not sweep.is_dir():
+        raise RunError(f"{sweep}: no such folder")
+    found = []
+    for summary in sweep.rglob("summary.json"):
+        rel = summary.parent.relative_to(sweep)
+        if any(part == ".hydra" or part.startswith("overwritten-") for part in rel.parts):
+            continue
+        if (summary.parent / "metrics.jsonl").is_file():
+            found.append(rel)
+    return sorted(found)
+
+
+def archived_runs(archives: Iterable[Path]) -> set[PurePosixPath]:
+    """The run folders (relative paths) whose summary.json one of `archives` holds."""
+    runs = set()
+    for archive in archives:
+        with tarfile.open(archive, "r:*") as tar:
+            runs |= {PurePosixPath(m.name).parent for m in tar.getmembers() if PurePosixPath(m.name).name == "summary.json"}
+    return runs
+
+
+def pack(sweep: Path, out: Path, skip: Sequence[Path] = ()) -> list[PurePosixPath]:
+    """Write the records of `sweep`'s finished runs, except those in the `skip` archives, to `out`
+    (.tar.xz); returns the runs packed, [] (and writes nothing) when none is new. RunError if `out` exists."""
+    if out.exists():
+        raise RunError(f"{out} exists: give the archive a new name (an archive is never replaced)")
+    done = archived_runs(p for p in skip if p.resolve() != out.resolve())
+    runs = [PurePosixPath(r.as_posix()) for r in finished_runs(sweep)]
+    new = [r for r in runs if r not in done]
+    if not new:
+        return []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with tarfile.open(tmp, "w:xz") as tar:
+        for run in new:
+            for name in RECORD:
+                path = sweep / run / name
+                if path.is_file():
+                    info = tarfile.TarInfo(str(run / name))
+                    data = path.read_bytes()
+                    info.size, info.mtime, info.mode = len(data), int(path.stat().st_mtime), 0o644
+                    tar.addfile(info, io.BytesIO(data))
+    tmp.replace(out)
+    return new
+
+
+def _safe_name(name: str, archive: Path) -> PurePosixPath:
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts:
+        raise RunError(f"{archive}: member {name!r} lies outside the folder it unpacks into: refused")
+    return path
+
+
+def unpack(archives: Sequence[Path], into: Path) -> tuple[int, int]:
+    """Extract `archives` into `into`; returns (files written, files already there with the same bytes).
+    RunError, before anything is written, for a member that is not a plain file inside `into` or whose
+    destination holds other bytes."""
+    plan: dict[Path, bytes] = {}
+    for archive in archives:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar.getmembers():
+                if member.isdir():
+                    continue
+                rel = _safe_name(member.name, archive)
+                if not member.isfile():
+                    raise RunError(f"{archive}: member {member.name!r} is not a plain file: refused")
+                data = tar.extractfile(member).read()
+                dest = into / rel
+                if plan.get(dest, data) != data:
+                    raise RunError(f"{dest}: two archives hold different bytes for it: nothing unpacked")
+                plan[dest] = data
+    clashes = [d for d, data in plan.items() if d.exists() and d.read_bytes() != data]
+    if clashes:
+        raise RunError(f"{clashes[0]} exists with other bytes ({len(clashes)} file(s) in all): nothing unpacked; "
+                       "unpack into another folder")
+    written = 0
+    for dest, data in plan.items():
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(data)
+        written += 1
+    return written, len(plan) - written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moe-rl-archive", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack", help="pack the records of a sweep's finished runs into a new .tar.xz")
+    p.add_argument("sweep", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--skip", type=Path, nargs="*", default=[], help="archives whose runs are left out")
+    u = sub.add_parser("unpack", help="unpack archives into a sweep folder, replacing nothing")
+    u.add_argument("archives", type=Path, nargs="+")
+    u.add_argument("--into", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "pack":
+            runs = pack(args.sweep, args.out, args.skip)
+            size = f"{args.out.stat().st_size / 1e6:.2f} MB" if runs else "nothing new to pack, no file written"
+            print(f"{args.out}: {len(runs)} finished run(s) ({size})")
+        else:
+            written, same = unpack(args.archives, args.into)
+            runs = len(archived_runs(args.archives))
+            print(f"{args.into}: {runs} run(s) from {len(args.archives)} archive(s), {written} file(s) written, "
+                  f"{same} already there")
+    except (RunError, OSError, tarfile.TarError) as err:
+        print(f"moe-rl-archive: {one_line(err) or err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
