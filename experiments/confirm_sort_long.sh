@@ -1,26 +1,44 @@
 #!/usr/bin/env bash
-# confirm_sort_long in sittings, as pre-registered (docs/preregistration/confirm_sort_long.md):
-# calibrate every warm start first (two at a time; a warm start already calibrated is skipped, and its
-# build is cached), then run the sweep, which resumes interrupted runs and leaves finished ones alone.
-# Run the same command again in the next sitting. About 10 core-hours on 2 cores in all.
+# confirm_sort_long in sittings, as pre-registered (docs/preregistration/confirm_sort_long.md, amendment 1):
+# warm start slowest. For each warm start: calibrate it (which builds and caches it), run its 16 runs
+# (resume=true: a finished run is left as it is), and pack the finished runs' records into
+# docs/results/confirm_sort_long/runs/ (moe-rl-archive). A sitting starts by unpacking what earlier
+# sittings committed. Commit docs/results/confirm_sort_long/ at the end of every sitting, then run the
+# same command in the next one. It prints counts only; the report is written once all 96 runs are done.
 #
-#   experiments/confirm_sort_long.sh            # calibrations to cal/confirm_sort_long/, runs to multirun/
+#   experiments/confirm_sort_long.sh              # warm starts 0-5, in order
+#   WARM_STARTS="2 3" experiments/confirm_sort_long.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=cal/confirm_sort_long
-mkdir -p "$out"
+name=confirm_sort_long
+sweep=multirun/$name
+keep=docs/results/$name   # what a sitting commits: calibrations and finished runs' records
+work=cal/$name            # what it does not: the calibrations' full output and logs
+mkdir -p "$work" "$keep/runs" "$keep/calibration"
 # One driver at a time: a second one would calibrate and train the same runs twice.
-exec 9> "$out/.driver.lock"
-flock -n 9 || { echo "confirm_sort_long.sh: another driver is running (it holds $out/.driver.lock)" >&2; exit 1; }
-calibrate() {
-  local w=$1
-  [[ -e $out/ws$w/calibration.json ]] && return 0
-  moe-rl-calibrate task=sort_long objective=grpo trainer.lr=1e-4 trainer.grad_clip=null trainer.threads=1 \
-    "warmstart.build_seed=$w" eval.size=128 --batches 3 --lrs 1e-4,3e-4,1e-3,3e-3 --drift "" --weight-noise "" \
-    --logit-noise 0.1,0.2,0.3,0.4 --out "$out/ws$w" > "$out/ws$w.log" 2>&1
-}
-export -f calibrate
-export out
-printf '%s\n' 0 1 2 3 4 5 | xargs -P 2 -I{} bash -c 'calibrate {}'
-moe-rl-calibrate --summarize "$out"/ws? --out "$out/summary"
-experiments/reproduce.sh confirm_sort_long hydra/launcher=joblib_local trainer.threads=1 resume=true
+exec 9> "$work/.driver.lock"
+flock -n 9 || { echo "$0: another driver is running (it holds $work/.driver.lock)" >&2; exit 1; }
+shopt -s nullglob
+archives=("$keep"/runs/*.tar.xz)
+if (( ${#archives[@]} )); then
+  moe-rl-archive unpack "${archives[@]}" --into "$sweep"
+fi
+finished() { find "$sweep" -name summary.json -not -path '*/.hydra/*' -not -path '*/overwritten-*' 2>/dev/null | wc -l; }
+for w in ${WARM_STARTS:-0 1 2 3 4 5}; do
+  if [[ ! -e $keep/calibration/ws$w/calibration.json ]]; then
+    moe-rl-calibrate task=sort_long objective=grpo trainer.lr=1e-4 trainer.grad_clip=null trainer.threads=1 \
+      "warmstart.build_seed=$w" eval.size=128 --batches 3 --lrs 1e-4,3e-4,1e-3,3e-3 --drift "" --weight-noise "" \
+      --logit-noise 0.1,0.2,0.3,0.4 --out "$work/ws$w" > "$work/ws$w.log" 2>&1
+    mkdir -p "$keep/calibration/ws$w"
+    cp "$work/ws$w"/calibration.{json,md} "$keep/calibration/ws$w/"
+  fi
+  common=("warmstart.build_seed=$w" hydra/launcher=joblib_local trainer.threads=1 resume=true logger.progress=false)
+  moe-rl-train -m "+experiment=$name" "hydra.sweep.dir=$sweep/ws$w" "${common[@]}"
+  moe-rl-train -m "+experiment=${name}__gspo_lr2e4" "hydra.sweep.dir=$sweep/ws$w/gspo_lr2e4" "${common[@]}"
+  moe-rl-archive pack "$sweep" "$keep/runs/$(date -u +%Y%m%dT%H%M%SZ).tar.xz" --skip "$keep"/runs/*.tar.xz
+  echo "$0: warm start $w done; $(finished) of 96 runs finished"
+done
+if (( $(finished) == 96 )); then
+  moe-rl-calibrate --summarize "$keep"/calibration/ws? --out "$keep/calibration/summary"
+  moe-rl-analyze "$sweep" --out "results/$name" --title "moe-rl: $name (pre-registered)"
+fi
