@@ -1,7 +1,7 @@
 """The README quickstart reproduces docs/golden/quickstart.json (experiments/quickstart_golden.py).
 
 Tolerance: 1e-9 relative, i.e. exact up to float printing, and only where the machine matches the golden's
-provenance in torch, transformers, CPU vector extensions and thread count: there a run is bitwise
+provenance in torch, transformers, CPU model and vector extensions, and thread count: there a run is bitwise
 reproducible (docs/training.md, "Reproducibility"; tests/unit/trainer/test_provenance.py). Elsewhere one run's numbers are not
 expected to hold (only the 6-seed orderings of docs/results.md do), so the rerun is skipped, saying why.
 """
