@@ -2,7 +2,7 @@
 # confirm_sort_long in sittings, as pre-registered (docs/preregistration/confirm_sort_long.md, amendment 1):
 # warm start slowest. For each warm start: calibrate it (which builds and caches it), run its 16 runs
 # (resume=true: a finished run is left as it is), and pack the finished runs' records into
-# docs/results/confirm_sort_long/runs/ (moe-rl-archive). A sitting starts by unpacking what earlier
+# docs/results/confirm_sort_long/records/ (moe-rl-archive). A sitting starts by unpacking what earlier
 # sittings committed. Commit docs/results/confirm_sort_long/ at the end of every sitting, then run the
 # same command in the next one. It prints counts only; the report is written once all 96 runs are done.
 #
@@ -17,12 +17,12 @@ name=confirm_sort_long
 sweep=multirun/$name
 keep=docs/results/$name   # what a sitting commits: calibrations and finished runs' records
 work=cal/$name            # what it does not: the calibrations' full output and logs
-mkdir -p "$work" "$keep/runs" "$keep/calibration"
+mkdir -p "$work" "$keep/records" "$keep/calibration"
 # One driver at a time: a second one would calibrate and train the same runs twice.
 exec 9> "$work/.driver.lock"
 flock -n 9 || { echo "$0: another driver is running (it holds $work/.driver.lock)" >&2; exit 1; }
 shopt -s nullglob
-archives=("$keep"/runs/*.tar.xz)
+archives=("$keep"/records/*.tar.xz)
 if (( ${#archives[@]} )); then
   moe-rl-archive unpack "${archives[@]}" --into "$sweep"
 fi
@@ -38,7 +38,7 @@ for w in ${WARM_STARTS:-0 1 2 3 4 5}; do
   common=("warmstart.build_seed=$w" hydra/launcher=joblib_local trainer.threads=1 resume=true logger.progress=false)
   moe-rl-train -m "+experiment=$name" "hydra.sweep.dir=$sweep/ws$w" "${common[@]}"
   moe-rl-train -m "+experiment=${name}__gspo_lr2e4" "hydra.sweep.dir=$sweep/ws$w/gspo_lr2e4" "${common[@]}"
-  moe-rl-archive pack "$sweep" "$keep/runs/$(date -u +%Y%m%dT%H%M%SZ).tar.xz" --skip "$keep"/runs/*.tar.xz
+  moe-rl-archive pack "$sweep" "$keep/records/$(date -u +%Y%m%dT%H%M%SZ).tar.xz" --skip "$keep"/records/*.tar.xz
   echo "$0: warm start $w done; $(finished) of 96 runs finished"
 done
 if (( $(finished) == 96 )); then

@@ -1,8 +1,8 @@
 """Carry a sweep's finished runs from one sitting to the next: pack their records into one compressed file,
 and unpack them into the sweep folder of a later sitting, on a machine that kept nothing.
 
-    moe-rl-archive pack multirun/confirm_sort_long runs/sitting1.tar.xz --skip runs/*.tar.xz
-    moe-rl-archive unpack runs/*.tar.xz --into multirun/confirm_sort_long
+    moe-rl-archive pack multirun/confirm_sort_long records/sitting1.tar.xz --skip records/*.tar.xz
+    moe-rl-archive unpack records/*.tar.xz --into multirun/confirm_sort_long
 
 - **What a record is.** Of each finished run folder (summary.json and metrics.jsonl, the folders
   moe-rl-analyze reads), the files in RECORD: its metrics, events, summary (with the run's config), run id
