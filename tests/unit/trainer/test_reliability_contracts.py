@@ -486,9 +486,8 @@ def test_pretrained_folder_without_model_is_refused(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_device_without_cuda_is_refused():
     """trainer.device=cuda without CUDA fails check_machine (run before any compute) naming trainer.device."""
-    from tests.integration.test_train_loop import compose_config
-
     from moe_rl.startup import check_machine
+    from tests.integration.test_train_loop import compose_config
 
     cfg = compose_config(["trainer.device=cuda"])  # composes and validates: a config for a GPU machine
     with pytest.raises(ValueError, match=r"trainer\.device='cuda': CUDA is not available"):
