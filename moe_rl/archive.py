@@ -6,7 +6,7 @@ and unpack them into the sweep folder of a later sitting, on a machine that kept
 
 - **What a record is.** Of each finished run folder (summary.json and metrics.jsonl, the folders
   moe-rl-analyze reads), the files in RECORD: its metrics, events, summary (with the run's config), run id
-  and Hydra's record. Not its checkpoints, exported policy or W&B folder: a record is what analysis and a
+  and Hydra's config and overrides. Not its checkpoints, exported policy or W&B folder: a record is what analysis and a
   resume of the finished run need, about 0.1 MB compressed for 200 steps. Paths are kept relative to the
   sweep folder, so a record unpacks where its run was.
 - **Nothing is replaced.** `pack` refuses an output that exists; `unpack` refuses, before it writes
@@ -29,8 +29,9 @@ from pathlib import Path, PurePosixPath
 from moe_rl.errors import RunError, one_line
 
 RECORD = ("metrics.jsonl", "events.jsonl", "summary.json", "run_id.txt", ".hydra/config.yaml",
-          ".hydra/overrides.yaml", ".hydra/hydra.yaml")  # fmt: skip
-"""The files of a finished run folder that an archive keeps, those present."""
+          ".hydra/overrides.yaml")  # fmt: skip
+"""The files of a finished run folder that an archive keeps, those present. Not Hydra's hydra.yaml, which
+holds the machine's folders; in summary.json the home folder is written `~`."""
 
 
 def finished_runs(sweep: Path) -> list[Path]:
@@ -75,11 +76,16 @@ def pack(sweep: Path, out: Path, skip: Sequence[Path] = ()) -> list[PurePosixPat
                 path = sweep / run / name
                 if path.is_file():
                     info = tarfile.TarInfo(str(run / name))
-                    data = path.read_bytes()
+                    data = record_bytes(name, path.read_bytes())
                     info.size, info.mtime, info.mode = len(data), int(path.stat().st_mtime), 0o644
                     tar.addfile(info, io.BytesIO(data))
     tmp.replace(out)
     return new
+
+
+def record_bytes(name: str, data: bytes) -> bytes:
+    """A record file's bytes as archived: in summary.json (the warm start's path) the home folder is `~`."""
+    return data.replace(str(Path.home()).encode(), b"~") if name == "summary.json" else data
 
 
 def _safe_name(name: str, archive: Path) -> PurePosixPath:
@@ -107,7 +113,7 @@ def unpack(archives: Sequence[Path], into: Path) -> tuple[int, int]:
                 if plan.get(dest, data) != data:
                     raise RunError(f"{dest}: two archives hold different bytes for it: nothing unpacked")
                 plan[dest] = data
-    clashes = [d for d, data in plan.items() if d.exists() and d.read_bytes() != data]
+    clashes = [d for d, data in plan.items() if d.exists() and record_bytes(d.name, d.read_bytes()) != data]
     if clashes:
         raise RunError(f"{clashes[0]} exists with other bytes ({len(clashes)} file(s) in all): nothing unpacked; "
                        "unpack into another folder")

@@ -5,11 +5,12 @@ import json
 import tarfile
 import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from analysis.load import load_local
-from moe_rl.archive import RECORD, archived_runs, main, pack, unpack
+from moe_rl.archive import RECORD, archived_runs, main, pack, record_bytes, unpack
 from moe_rl.errors import RunError
 from moe_rl.trainer.run import train
 from tests.integration.test_train_loop import TINY, compose_config
@@ -38,6 +39,11 @@ def test_pack_then_unpack_gives_the_same_runs_and_a_resume_leaves_them_as_they_a
         names = {m.name for m in tar.getmembers()}
     assert {n.split("/", 1)[1] for n in names} <= set(RECORD) and {n.split("/")[0] for n in names} == {"0", "1"}
     assert not any("checkpoint" in n or "policy" in n or "wandb" in n for n in names)
+    assert record_bytes("summary.json", f'{{"p": "{Path.home()}/x"}}'.encode()) == b'{"p": "~/x"}'
+    with tarfile.open(out) as tar:  # no folder of this machine: the home folder is written ~
+        assert not any(str(Path.home()).encode() in tar.extractfile(m).read() for m in tar.getmembers())
+    assert main(["unpack", str(out), "--into", str(root)]) == 0, "the sweep's own files count as equal"
+    capsys.readouterr()
     bare = tmp_path / "bare"
     assert main(["unpack", str(out), "--into", str(bare)]) == 0
     assert "2 run(s) from 1 archive(s)" in capsys.readouterr().out
