@@ -9,8 +9,8 @@
 #   experiments/confirm_sort_long.sh              # warm starts 0-5, in order
 #   WARM_STARTS="2 3" experiments/confirm_sort_long.sh
 # Give a sitting only the warm starts it can finish (amendment 2): a build on another machine's CPU model is
-# another policy. One warm start is about 2.5 core-hours (build about 40 min, calibration 5, 16 runs of
-# about 5 core-minutes each).
+# another policy. One warm start is about 2 core-hours: 16 runs of about 4.5 core-minutes, and its build and
+# calibration (43 min on a machine shared with other work).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=confirm_sort_long

@@ -225,6 +225,12 @@ def config_diff(saved: dict[str, Any], current: dict[str, Any], defaults: dict[s
     )
 
 
+def shown_diff(diff: list[str], saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The fields of `diff` with their saved and current values, for a one-line refusal."""
+    a, b = _flatten(saved), _flatten(current)
+    return ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in diff)
+
+
 def hydra_files(run_dir: Path) -> dict[str, str]:
     """The run folder's `.hydra/*.yaml` texts (empty outside Hydra)."""
     folder = run_dir / ".hydra"
@@ -259,7 +265,7 @@ def resume_state(
     diff = config_diff(state["config"], config, defaults)
     if diff and not force:
         restore_hydra_files(run_dir, state.get("hydra", {}))
-        shown = ", ".join(f"{k} ({_flatten(state['config']).get(k)!r} -> {_flatten(config).get(k)!r})" for k in diff)
+        shown = shown_diff(diff, state["config"], config)
         raise RunError(
             f"resume=true refused: the config differs from the checkpoint's in {shown}; "
             "resume with the run's own config, or add resume_force=true to continue anyway"
@@ -302,7 +308,7 @@ def finished_without_checkpoint(
         )
     diff = config_diff(recorded, json.loads(to_json(config)), json.loads(to_json(defaults or {})))
     if diff and not force:
-        shown = ", ".join(f"{k} ({_flatten(recorded).get(k)!r} -> {_flatten(config).get(k)!r})" for k in diff)
+        shown = shown_diff(diff, recorded, config)
         raise RunError(
             f"resume=true refused: the config differs from that of the finished run in {run_dir} in {shown}; "
             "resume with the run's own config, or add resume_force=true to accept it anyway"
