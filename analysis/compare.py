@@ -31,6 +31,7 @@ from typing import Any
 from analysis.stats import mean_ci
 from moe_rl.errors import one_line_warnings
 from moe_rl.provenance import provenance_mismatch
+from moe_rl.trainer.folder import set_aside
 from moe_rl.trainer.logging import CorruptLogError, from_json_number, read_jsonl
 
 COLUMNS = (
@@ -85,11 +86,6 @@ def run_dirs(sweep_dir: Path) -> list[Path]:
         raise FileNotFoundError(f"{sweep_dir}: no such folder")
     found = {p.parent for name in ("summary.json", "metrics.jsonl", "failed.json") for p in sweep_dir.rglob(name)}
     return sorted(d for d in found if not set_aside(d.relative_to(sweep_dir)))
-
-
-def set_aside(path: Path) -> bool:
-    """Whether `path` lies in Hydra's record (`.hydra/`) or in a run moved aside by overwrite=true."""
-    return any(part == ".hydra" or part.startswith("overwritten-") for part in path.parts)
 
 
 NOT_A_GROUP = frozenset({

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path, PurePosixPath
 
 from moe_rl.errors import RunError, one_line
+from moe_rl.trainer.folder import set_aside
 
 RECORD = ("metrics.jsonl", "events.jsonl", "summary.json", "run_id.txt", ".hydra/config.yaml",
           ".hydra/overrides.yaml")  # fmt: skip
@@ -42,9 +43,7 @@ def finished_runs(sweep: Path) -> list[Path]:
     found = []
     for summary in sweep.rglob("summary.json"):
         rel = summary.parent.relative_to(sweep)
-        if any(part == ".hydra" or part.startswith("overwritten-") for part in rel.parts):
-            continue
-        if (summary.parent / "metrics.jsonl").is_file():
+        if not set_aside(rel) and (summary.parent / "metrics.jsonl").is_file():
             found.append(rel)
     return sorted(found)
 

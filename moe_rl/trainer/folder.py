@@ -23,7 +23,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from filelock import FileLock, Timeout
 
@@ -53,6 +53,8 @@ RUN_FILES = (
 )
 """What a run leaves in its folder: a folder holding any of these holds a run."""
 BOOKKEEPING = (LOCK, OWNER)
+ASIDE = "overwritten-"
+"""The name prefix of the folder that overwrite=true moves an old run's files into."""
 
 
 class FolderInUseError(RunError):
@@ -101,20 +103,26 @@ def move_aside(run_dir: Path) -> Path:
     """Move everything in `run_dir` but the lock's bookkeeping and earlier `overwritten-*` folders into a new
     `overwritten-<UTC time>/` folder there (Hydra's open train.log is copied, not moved); returns it."""
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
-    aside = run_dir / f"overwritten-{stamp}"
+    aside = run_dir / f"{ASIDE}{stamp}"
     n = 1
     while aside.exists():
         n += 1
-        aside = run_dir / f"overwritten-{stamp}-{n}"
+        aside = run_dir / f"{ASIDE}{stamp}-{n}"
     aside.mkdir()
     for entry in sorted(run_dir.iterdir()):
-        if entry == aside or entry.name in BOOKKEEPING or entry.name.startswith("overwritten-"):
+        if entry == aside or entry.name in BOOKKEEPING or entry.name.startswith(ASIDE):
             continue
         if entry.name == HYDRA_LOG:
             shutil.copy2(entry, aside / entry.name)
         else:
             os.replace(entry, aside / entry.name)
     return aside
+
+
+def set_aside(path: Path | PurePath) -> bool:
+    """Whether `path`, relative to a sweep folder, lies in Hydra's record (`.hydra/`) or in an old run's
+    files that overwrite=true moved aside: not a run folder of the sweep."""
+    return any(part == ".hydra" or part.startswith(ASIDE) for part in path.parts)
 
 
 def check_fresh_start(run_dir: Path, *, resume: bool, overwrite: bool) -> Path | None:
