@@ -173,7 +173,7 @@ def ref_weight_sums(d, s, adv, mask, name, clip_low, clip_high, band):
         toks, n = valid(mask, i), len(d[i])
         a_t = [adv_at(adv, i, t).item() for t in toks]
         if name in ("sapo", "sapo_seq"):  # soft gate: g = 4σ(1 − σ)·ρ on every token within the clamp
-            for k, (x, a) in enumerate(zip(d[i], a_t, strict=True)):
+            for x, a in zip(d[i], a_t, strict=True):
                 rho = math.exp(x) if name == "sapo" else s[i]
                 tau = 1.0 if a > 0 else 1.05
                 sig = 1 / (1 + math.exp(-tau * (rho - 1)))
