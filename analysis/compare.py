@@ -236,15 +236,26 @@ except ImportError:  # pragma: no cover - hydra is a dependency; keeps the modul
 
 class ComparisonTableCallback(Callback):
     """Hydra callback: after a multirun, print the comparison table of the jobs that finished and save it
-    as comparison.md; then, if any job failed (left failed.json), name each and exit 1."""
+    as comparison.md; then, if any job failed (left failed.json), name each and exit 1.
+
+    `blind=True` (`hydra.callbacks.comparison.blind`, set by a pre-registered sweep's config) prints only
+    how many runs finished and writes no table, so nobody reads an outcome before the sweep is complete."""
+
+    def __init__(self, blind: bool = False) -> None:
+        self.blind = blind
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         failed = sorted(p for p in sweep_dir.rglob("failed.json") if ".hydra" not in p.parts)
-        with warnings.catch_warnings():
-            if failed:  # named once below, not also as "skipping ..." lines
-                warnings.filterwarnings("ignore", message=r"skipping .*failed\.json: the run failed")
-            table = comparison(sweep_dir)
+        if self.blind:
+            done = sum((d / "summary.json").is_file() for d in run_dirs(sweep_dir))
+            print(f"\n{sweep_dir}: {done} run(s) finished (blind: no comparison table until the sweep is complete)")
+            table = None
+        else:
+            with warnings.catch_warnings():
+                if failed:  # named once below, not also as "skipping ..." lines
+                    warnings.filterwarnings("ignore", message=r"skipping .*failed\.json: the run failed")
+                table = comparison(sweep_dir)
         if table:
             text = format_table(table)
             (sweep_dir / "comparison.md").write_text(text + "\n")

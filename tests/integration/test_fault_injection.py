@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from analysis.compare import comparison
+from analysis.compare import ComparisonTableCallback, comparison
 from moe_rl.errors import RunError, one_line
 from moe_rl.trainer.checkpoint import (
     CHECKPOINT,
@@ -572,7 +573,7 @@ def test_corrupt_warm_start_cache_entry_is_rebuilt(tmp_path, fault_report):
                  " / ".join(warned).replace(str(tmp_path), "RUN"), "the entry is rebuilt (same key); the run trains")
 
 
-def test_sweep_with_one_bad_cell_keeps_the_others_and_exits_non_zero(tmp_path, warm_overrides, fault_report):
+def test_sweep_with_one_bad_cell_keeps_the_others_and_exits_non_zero(tmp_path, warm_overrides, fault_report, capfd):
     """A 4-job sweep whose third cell has trainer.lr=nan: three jobs finish and get a table, the bad one leaves failed.json and is named in one line (no traceback), exit != 0."""
     sweep = tmp_path / "sweep"
     args = [sys.executable, "-m", "moe_rl.train", "-m", "objective=grpo", *TINY, *warm_overrides, "trainer.steps=1", "logger.wandb=false",
@@ -587,6 +588,12 @@ def test_sweep_with_one_bad_cell_keeps_the_others_and_exits_non_zero(tmp_path, w
     assert "Traceback" not in proc.stderr and "sweep job 2 failed: ValueError: trainer.lr=nan" in proc.stderr
     table = (sweep / "comparison.md").read_text()
     assert all(f"trainer.lr={lr} | 1 |" in table for lr in ("0.0001", "0.0002", "0.0003")), table
+    (sweep / "comparison.md").unlink()  # blind (a pre-registered sweep): counts only, the bad job still named
+    with pytest.raises(SystemExit) as stop:
+        ComparisonTableCallback(blind=True).on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    out, err = capfd.readouterr()
+    assert stop.value.code == 1 and "3 run(s) finished (blind" in out and "lr=" not in out
+    assert "sweep job 2 failed" in err and not (sweep / "comparison.md").exists()
     fault_report("4-job sweep, one cell with `trainer.lr=nan`",
                  " / ".join(line for line in proc.stderr.splitlines() if line.startswith("moe-rl-train:")),
                  "the 3 good jobs' folders and summaries, and their comparison table; `failed.json` in the bad "

@@ -43,6 +43,18 @@ def test_launcher_configs_compose(launcher, target):
         assert (cfg.hydra.launcher.gpus_per_node, cfg.hydra.launcher.tasks_per_node) == (1, 1)
 
 
+@pytest.mark.parametrize(
+    "experiment, blind",
+    [(None, False), ("confirm_sort_long", True), ("confirm_sort_long__gspo_lr2e4", True)],
+)
+def test_pre_registered_sweep_is_blind(experiment, blind):
+    """The pre-registered sweep's end-of-sweep callback prints counts, not its comparison table; others print it."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        overrides = [f"+experiment={experiment}"] if experiment else []
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    assert cfg.hydra.callbacks.comparison.blind is blind
+
+
 def _sweep(sweep_dir: Path, launcher: list[str], points: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     return subprocess.run(
