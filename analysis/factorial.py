@@ -18,6 +18,15 @@ dose and h a higher one:
 
 A D below 0 says the dose costs a more than b. In a sweep of one warm start the t runs over RL seeds and
 is conditional on that warm start (each seed is then its own cluster, so no ICC is given).
+
+When the sweep also varies `trainer.lr`, the contrasts above are formed at each lr (arms paired at one
+shared lr), and, with at least analysis.steplr.MIN_LRS lrs, once more with **each (arm, level) at its own
+best lr, cross-fitted**: the clusters (warm starts, or seeds in a one-warm-start sweep), sorted, are split
+into two folds (alternate clusters); on one fold each (arm, level)'s best lr is the argmax of its mean y
+over the fold's runs (ties: the smaller lr), and the other fold's units are scored at it; then the folds
+swap. Every unit is scored once, at lrs that its own cluster did not help choose, so picking the maximum
+does not inflate the contrast (the interval does not carry the variance of the choice). The chosen lrs are
+reported per fold, with a flag where one lies at the grid's edge (the grid did not bracket that best).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from analysis.load import Run, group_label, sort_key
 from analysis.outcomes import auc, has_expected
 from analysis.sections import Section, Sweep, doc_intro
 from analysis.stats import MIN_SEEDS, verdict
+from analysis.steplr import LR, MIN_LRS
 
 FACTORS = ("trainer.router_lr_scale", "rollout.staleness")
 """Doses that act on every arm (the replay arms included), so that each arm needs its own runs at each level."""
@@ -91,16 +101,9 @@ def _row(kind: str, a: str, b: str | None, level: Any, low: Any, values_a: Value
             "verdict": verdict(c.difference(), min_seeds=least).replace("seed(s)", unit)}  # fmt: skip
 
 
-def dose_interaction(sweep: Sweep) -> dict[str, Any] | None:
-    """Each arm's dose effect and every pair of arms' difference in differences at each level above the
-    lowest (module docstring); None when the sweep varies no FACTORS field or runs one arm."""
-    factor = factor_field(sweep.fields, sweep.runs)
-    if factor is None:
-        return None
-    others = [f for f in sweep.fields if f != factor]
-    clustered = detect_design(sweep.runs).kind == CLUSTERED
-    name, y = outcome_of(sweep.runs)
-    table = cells(sweep.runs, factor, others, clustered, y)
+def interaction_rows(table: dict[str, dict[Any, Values]], clustered: bool, lr: Any = None) -> list[dict[str, Any]]:
+    """Each arm's dose effect at every level above its lowest and every pair of arms' difference in
+    differences, from {arm: {level: values}}; each row carries `lr` (a number, "own" or None)."""
     rows = []
     effects: dict[str, dict[Any, Values]] = {}
     lows: dict[str, Any] = {}
@@ -113,37 +116,128 @@ def dose_interaction(sweep: Sweep) -> dict[str, Any] | None:
     for a, b in itertools.combinations(effects, 2):
         for h in sorted(effects[a].keys() & effects[b].keys(), key=sort_key):
             rows.append(_row("difference in differences", a, b, h, lows[a], effects[a][h], effects[b][h], clustered))
+    return [{**r, "lr": lr} for r in rows]
+
+
+def best_lr(by_lr: dict[float, Values], clusters: Sequence[tuple]) -> float:
+    """The lr whose mean y over the runs of `clusters` is highest (the smaller lr on a tie); nan if none ran."""
+    means = {}
+    for lr, values in by_lr.items():
+        ys = [v for w in clusters for v in values.get(w, {}).values() if math.isfinite(v)]
+        if ys:
+            means[lr] = sum(ys) / len(ys)
+    return max(means, key=lambda lr: (means[lr], -lr)) if means else math.nan
+
+
+def own_lr_cells(by_lr: dict[float, dict[str, dict[Any, Values]]]) -> tuple[dict[str, dict[Any, Values]], list[dict]]:
+    """Cross-fitted own-lr cells (module docstring) from {lr: {arm: {level: values}}}: ({arm: {level:
+    values at the lr its other fold chose}}, [{"tune", "score", "chosen": {(arm, level): lr}}] per fold)."""
+    clusters = sorted({w for t in by_lr.values() for lv in t.values() for v in lv.values() for w in v}, key=repr)
+    folds = [(clusters[0::2], clusters[1::2]), (clusters[1::2], clusters[0::2])]
+    cells_of = {(arm, level) for t in by_lr.values() for arm, lv in t.items() for level in lv}
+    out: dict[str, dict[Any, Values]] = defaultdict(lambda: defaultdict(dict))
+    chosen = []
+    for tune, score in folds:
+        if not tune or not score:
+            continue
+        picks = {}
+        for arm, level in sorted(cells_of, key=lambda c: (c[0], sort_key(c[1]))):
+            grid = {lr: t[arm][level] for lr, t in by_lr.items() if level in t.get(arm, {})}
+            picks[arm, level] = lr = best_lr(grid, tune)
+            if math.isfinite(lr):
+                out[arm][level].update({w: grid[lr][w] for w in score if w in grid[lr]})
+        chosen.append({"tune": tune, "score": score, "chosen": picks})
+    return out, chosen
+
+
+def dose_interaction(sweep: Sweep) -> dict[str, Any] | None:
+    """Each arm's dose effect and every pair of arms' difference in differences at each level above the
+    lowest, at each lr and (with MIN_LRS lrs or more) at each (arm, level)'s own cross-fitted lr (module
+    docstring); None when the sweep varies no FACTORS field or runs one arm."""
+    factor = factor_field(sweep.fields, sweep.runs)
+    if factor is None:
+        return None
+    others = [f for f in sweep.fields if f not in (factor, LR)]
+    clustered = detect_design(sweep.runs).kind == CLUSTERED
+    name, y = outcome_of(sweep.runs)
+    varies_lr = LR in sweep.fields
+    lrs = sorted({float(r.flat[LR]) for r in sweep.runs}) if varies_lr else [None]
+    by_lr = {lr: cells([r for r in sweep.runs if lr is None or float(r.flat[LR]) == lr], factor, others, clustered, y)
+             for lr in lrs}  # fmt: skip
+    rows = [row for lr in lrs for row in interaction_rows(by_lr[lr], clustered, lr)]
     if not any(r["kind"] == "difference in differences" for r in rows):
         return None
-    return {"factor": factor, "outcome": name, "clustered": clustered, "rows": rows}
+    result = {"factor": factor, "outcome": name, "clustered": clustered, "rows": rows}
+    if varies_lr and len(lrs) >= MIN_LRS:
+        own, folds = own_lr_cells(by_lr)
+        edges = sorted({f"{arm} {LEVEL_PREFIX.get(factor, '')}{level:g}" for fold in folds
+                        for (arm, level), lr in fold["chosen"].items() if lr in (lrs[0], lrs[-1])})  # fmt: skip
+        result["own_lr"] = {"rows": interaction_rows(own, clustered, "own"), "grid": lrs, "at_edge": edges,
+                            "folds": [{"tune": [repr(w) for w in f["tune"]], "score": [repr(w) for w in f["score"]],
+                                       "chosen": [{"arm": a, "level": lv, "lr": lr} for (a, lv), lr in f["chosen"].items()]}
+                                      for f in folds]}  # fmt: skip
+    return result
 
 
 def _num(x: float, fmt: str = ".3g") -> str:
     return f"{x:{fmt}}" if math.isfinite(x) else "n/a"
 
 
-def format_interaction(result: dict[str, Any]) -> str:
-    """Markdown: the dose effects, then the differences in differences, each with its interval and words."""
-    f, unit = result["factor"], ("warm starts" if result["clustered"] else "seeds (one warm start)")
+def _lr(lr: Any) -> str:
+    return "own (cross-fitted)" if lr == "own" else f"{lr:g}"
+
+
+def _table(rows: list[dict[str, Any]], f: str, unit: str, with_lr: bool) -> tuple[list[str], list[str]]:
+    """The markdown table and the one-line verdicts of interaction rows."""
     x = LEVEL_PREFIX.get(f, f"{f}=")
-    head = (f"| contrast | at {f} | estimate | 95% CI (t over {unit}) | p | {unit} | runs | σ² between | ICC |",
-            "|---" * 9 + "|")
-    lines, words = list(head), []
-    for r in result["rows"]:
+    lr_head, lr_rule = ("| lr ", "|---") if with_lr else ("", "")
+    lines = [f"| contrast {lr_head}| at {f} | estimate | 95% CI (t over {unit}) | p | {unit} | runs | σ² between | ICC |",
+             "|---" * 9 + lr_rule + "|"]  # fmt: skip
+    words = []
+    for r in rows:
         what = (f"{r['a']}: {x}{r['level']:g} − {x}{r['low']:g}" if r["b"] is None
                 else f"[{r['a']}] − [{r['b']}], each {x}{r['level']:g} − {x}{r['low']:g}")
-        lines.append(f"| {what} | {r['level']:g} | {_num(r['diff'], '+.3g')} | [{_num(r['lo'])}, {_num(r['hi'])}] "
+        lr = f"| {_lr(r['lr'])} " if with_lr else ""
+        at = f" at lr {_lr(r['lr'])}" if with_lr else ""
+        lines.append(f"| {what} {lr}| {r['level']:g} | {_num(r['diff'], '+.3g')} | [{_num(r['lo'])}, {_num(r['hi'])}] "
                      f"| {_num(r['p'])} | {r['clusters']} | {r['runs']} | {_num(r['var_between'])} "
                      f"| {_num(r['icc'], '.2f')} |")
-        words.append(f"- {r['kind']}, {what}: {_num(r['diff'], '+.3g')} [{_num(r['lo'])}, {_num(r['hi'])}]: "
+        words.append(f"- {r['kind']}, {what}{at}: {_num(r['diff'], '+.3g')} [{_num(r['lo'])}, {_num(r['hi'])}]: "
                      f"{r['verdict']}.")
+    return lines, words
+
+
+def format_interaction(result: dict[str, Any]) -> str:
+    """Markdown: the dose effects, then the differences in differences, each with its interval and words;
+    then, when the sweep varies the lr over enough values, the same with each (arm, level) at its own lr."""
+    f, unit = result["factor"], ("warm starts" if result["clustered"] else "seeds (one warm start)")
+    x = LEVEL_PREFIX.get(f, f"{f}=")
+    with_lr = any(r["lr"] is not None for r in result["rows"])
+    lines, words = _table(result["rows"], f, unit, with_lr)
     note = (f"Outcome: {result['outcome']} per run. A dose effect is an arm's outcome at the level less at "
             f"{x}{result['rows'][0]['low']:g}, paired within a unit; a difference in differences is one arm's "
             "dose effect less another's (below 0: the dose costs the first arm more). "
             + ("Per warm start the mean over its RL seeds, then a Student t over warm starts; σ² between and "
                "the ICC as in analysis.clusters." if result["clustered"] else
-               "A paired t over RL seeds, conditional on one warm start."))
-    return "\n\n".join(["\n".join(lines), note, "\n".join(words)])
+               "A paired t over RL seeds, conditional on one warm start.")
+            + (" Rows at one lr pair the arms at that shared lr." if with_lr else ""))
+    parts = ["\n".join(lines), note, "\n".join(words)]
+    own = result.get("own_lr")
+    if own:
+        o_lines, o_words = _table(own["rows"], f, unit, False)
+        picks = []
+        for i, fold in enumerate(own["folds"], 1):
+            chosen = ", ".join(f"{c['arm']} {x}{c['level']:g}: {c['lr']:g}" for c in fold["chosen"])
+            picks.append(f"- fold {i}: chosen on {', '.join(fold['tune'])}, scored on {', '.join(fold['score'])}: "
+                         f"{chosen}")
+        edge = (f"At the grid's edge ({own['grid'][0]:g} or {own['grid'][-1]:g}) in some fold, so the grid may not "
+                f"bracket their best: {', '.join(own['at_edge'])}." if own["at_edge"] else
+                "Every chosen lr lies inside the grid.")
+        parts += ["**Each (arm, level) at its own lr, cross-fitted** (lrs chosen on one fold of "
+                  f"{'warm starts' if result['clustered'] else 'seeds'}, scored on the other, then swapped; grid "
+                  f"{', '.join(f'{lr:g}' for lr in own['grid'])}):",
+                  "\n".join(o_lines), "\n".join(picks), edge, "\n".join(o_words)]
+    return "\n\n".join(parts)
 
 
 SECTION = Section(
