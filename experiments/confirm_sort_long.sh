@@ -13,20 +13,9 @@
 # calibration (43 min on a machine shared with other work).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-name=confirm_sort_long
-sweep=multirun/$name
-keep=docs/results/$name   # what a sitting commits: calibrations and finished runs' records
-work=cal/$name            # what it does not: the calibrations' full output and logs
-mkdir -p "$work" "$keep/records" "$keep/calibration"
-# One driver at a time: a second one would calibrate and train the same runs twice.
-exec 9> "$work/.driver.lock"
-flock -n 9 || { echo "$0: another driver is running (it holds $work/.driver.lock)" >&2; exit 1; }
-shopt -s nullglob
-archives=("$keep"/records/*.tar.xz)
-if (( ${#archives[@]} )); then
-  moe-rl-archive unpack "${archives[@]}" --into "$sweep"
-fi
-finished() { find "$sweep" -name summary.json -not -path '*/.hydra/*' -not -path '*/overwritten-*' 2>/dev/null | wc -l; }
+source experiments/lib/sittings.sh
+sittings_begin confirm_sort_long   # sweep, keep (committed: calibrations, records), work (not: full output, logs)
+mkdir -p "$keep/calibration"
 for w in ${WARM_STARTS:-0 1 2 3 4 5}; do
   if [[ ! -e $keep/calibration/ws$w/calibration.json ]]; then
     moe-rl-calibrate task=sort_long objective=grpo trainer.lr=1e-4 trainer.grad_clip=null trainer.threads=1 \
@@ -38,10 +27,10 @@ for w in ${WARM_STARTS:-0 1 2 3 4 5}; do
   common=("warmstart.build_seed=$w" hydra/launcher=joblib_local trainer.threads=1 resume=true logger.progress=false)
   moe-rl-train -m "+experiment=$name" "hydra.sweep.dir=$sweep/ws$w" "${common[@]}"
   moe-rl-train -m "+experiment=${name}__gspo_lr2e4" "hydra.sweep.dir=$sweep/ws$w/gspo_lr2e4" "${common[@]}"
-  moe-rl-archive pack "$sweep" "$keep/records/$(date -u +%Y%m%dT%H%M%SZ).tar.xz" --skip "$keep"/records/*.tar.xz
-  echo "$0: warm start $w done; $(finished) of 96 runs finished"
+  sittings_pack
+  echo "$0: warm start $w done; $(sittings_finished) of 96 runs finished"
 done
-if (( $(finished) == 96 )); then
+if (( $(sittings_finished) == 96 )); then
   moe-rl-calibrate --summarize "$keep"/calibration/ws? --out "$keep/calibration/summary"
   moe-rl-analyze "$sweep" --out "results/$name" --title "moe-rl: $name (pre-registered)"
 fi

@@ -45,7 +45,7 @@ def test_launcher_configs_compose(launcher, target):
 
 @pytest.mark.parametrize(
     "experiment, blind",
-    [(None, False), ("confirm_sort_long", True), ("confirm_sort_long__gspo_lr2e4", True)],
+    [(None, False), ("confirm_sort_long", True), ("confirm_sort_long__gspo_lr2e4", True), ("router_lr_own_lr", True)],
 )
 def test_pre_registered_sweep_is_blind(experiment, blind):
     """The pre-registered sweep's end-of-sweep callback prints counts, not its comparison table; others print it."""
