@@ -179,6 +179,8 @@ REPORTS = (
                ("model.num_experts", "trainer.router_lr_scale"), (CHANGE, KL, LOAD_CV, PREDICTED, MARGINS, EVAL)),
     ReportSpec("router_lr_dose", "Claim 1 under a faster router: GRPO vs GRPO + R2 vs GSPO at router lr x1 and x30",
                (*GROUPBY, "trainer.router_lr_scale"), (EVAL, CHANGE, KL, LOAD_CV, EVENTS_BY_KIND, EXTREMES)),
+    ReportSpec("router_lr_own_lr", "Router lr dose at each arm's own step size: GRPO, R2, GSPO, SAPO x router lr x lr",
+               (*GROUPBY, "trainer.router_lr_scale", "trainer.lr"), (EVAL, CHANGE, KL, LOAD_CV, EVENTS_BY_KIND, EXTREMES)),
     ReportSpec("replay_variants", "Replay variants: fp32 routers and replayed gates against the bf16 mismatch",
                (*GROUPBY, "model.router_dtype", "routing.replay_gates"), (LOGP_DIFF, ROLLOUT_VS_OLD, REWARD, TOKEN_VAR)),
     ReportSpec("confirm_sort_long", "Confirmatory (pre-registered): sustained regression of GRPO vs GRPO + R2 on sort_long, σ = 0.3, clipping off",
