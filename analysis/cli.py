@@ -4,6 +4,7 @@
     moe-rl-analyze --wandb ENTITY/PROJECT --group GROUP --out report/ --title "GSPO vs GRPO"
 
     moe-rl-analyze multirun/stability --out report/ --smooth 0.6 --permutations 20000
+    moe-rl-analyze multirun/sweep --out report/ --pair "gspo (replay=off) lr=0.0002" "grpo (replay=off) lr=0.0001"
 
 Writes OUT/report.md (open it in any markdown viewer), OUT/*.png, OUT/summary_table.md,
 OUT/collapse_table.md, OUT/pairs_table.md and OUT/table.json. Tables give mean ± 95% CI over seeds
@@ -59,6 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "splits seeded with 0 (default 10000)",
     )
     parser.add_argument(
+        "--pair",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("A", "B"),
+        help="also compare group A with group B (labels as the summary table prints them) although a swept "
+        "field differs, e.g. each objective at its own lr; repeatable",
+    )
+    parser.add_argument(
         "--recount",
         action="store_true",
         help="re-count reward_collapse and eval_regression events with the current detector from the logged "
@@ -96,7 +106,13 @@ def main(argv: list[str] | None = None) -> None:
         runs = [recount(run) for run in runs]
         sources = [*sources, "collapse events re-counted with the current detector (analysis.recount)"]
     title = args.title or f"moe-rl sweep: {', '.join(sources)}"
-    report = write_report(runs, args.out, title, sources, smooth=args.smooth, permutations=args.permutations)
+    try:
+        report = write_report(runs, args.out, title, sources, smooth=args.smooth, permutations=args.permutations,
+                              pairs=tuple(map(tuple, args.pair)))
+    except ValueError as error:
+        if not str(error).startswith("--pair"):
+            raise
+        raise SystemExit(f"moe-rl-analyze: {error}") from None
     print(f"{len(runs)} runs -> {report}")
 
 

@@ -121,13 +121,29 @@ def per_seed_values(runs: list[Run], quantities: dict[str, Any]) -> dict[str, li
     return {**out, **{name: [float(fn(r)) for r in runs] for name, fn in quantities.items()}}
 
 
-def pairwise(groups: Groups, fields: list[str], permutations: int = 10_000, seed: int = 0) -> list[dict]:
-    """compare_pair for every comparable pair: [{"a": label, "b": label, ...}]; cluster contrasts when the
-    sweep's design (analysis.clusters.detect_design over all its runs) is clustered."""
+def check_pairs(groups: Groups, extra: tuple[tuple[str, str], ...]) -> None:
+    """Raises ValueError naming each label of `extra` that is not a group, and the groups there are."""
+    unknown = [label for pair in extra for label in pair if label not in groups]
+    if unknown:
+        raise ValueError(f"--pair: no group {', '.join(map(repr, unknown))}; the groups are "
+                         f"{', '.join(map(repr, groups))}")
+
+
+def pairwise(
+    groups: Groups, fields: list[str], permutations: int = 10_000, seed: int = 0,
+    extra: tuple[tuple[str, str], ...] = (),
+) -> list[dict]:
+    """compare_pair for every comparable pair, then for each `extra` pair of labels not among them (groups
+    that differ in a varying field, such as each objective at its own lr): [{"a": label, "b": label, ...}];
+    cluster contrasts when the sweep's design (analysis.clusters.detect_design over all its runs) is
+    clustered. Raises ValueError naming an `extra` label that is not a group, and the groups there are."""
+    check_pairs(groups, extra)
+    same = comparable_pairs(groups, fields)
+    named = [p for p in dict.fromkeys(extra) if p not in same and p[::-1] not in same and p[0] != p[1]]
     clustered = detect_design([r for runs in groups.values() for r in runs]).kind == CLUSTERED
     return [
         {"a": a, "b": b, **compare_pair(groups[a], groups[b], permutations, seed, clustered)}
-        for a, b in comparable_pairs(groups, fields)
+        for a, b in same + named
     ]
 
 

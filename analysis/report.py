@@ -62,7 +62,7 @@ from analysis.clusters import detect_design
 from analysis.compare import COLUMNS, format_cell, run_row, shown_columns
 from analysis.figures import BAND, finite_mean, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
-from analysis.pairs import format_pairs, pairwise
+from analysis.pairs import check_pairs, format_pairs, pairwise
 from analysis.sections import Figures, Section, Sweep
 from analysis.stats import CI_NOTE, mean_ci, wilson
 
@@ -224,7 +224,7 @@ def collapse_section(sweep: Sweep) -> tuple[dict[str, dict[str, Any]], dict[str,
 
 def pairs_section(sweep: Sweep) -> tuple[list[dict[str, Any]], Any]:
     """The pairwise differences, with the sweep's warm-start design their table opens with."""
-    return pairwise(sweep.groups, sweep.fields, sweep.permutations), detect_design(sweep.runs)
+    return pairwise(sweep.groups, sweep.fields, sweep.permutations, extra=sweep.pairs), detect_design(sweep.runs)
 
 
 SUMMARY = Section(name="summary", heading="Summary (mean ± 95% CI over seeds)", intro=SUMMARY_INTRO,
@@ -256,19 +256,22 @@ def write_report(
     smooth: float = 0.0,
     permutations: int = 10_000,
     sections: tuple[Section, ...] = SECTIONS,
+    pairs: tuple[tuple[str, str], ...] = (),
 ) -> Path:
     """Figures, tables (markdown and table.json) and report.md under out_dir; returns report.md's path.
 
     smooth: EMA weight for the curves (0 = none; analysis.stats.ema); permutations: the collapse-rate
     permutation test's budget (exact below it, seeded random splits above); sections: the registry to
-    walk (analysis.sections).
+    walk (analysis.sections); pairs: pairs of group labels compared besides those that share every varying
+    field (analysis.pairs.pairwise; ValueError before any work when a label is not a group).
     """
     if not runs:
         raise ValueError("no runs to analyse")
     out_dir.mkdir(parents=True, exist_ok=True)
     fields = varying_fields(runs)
     groups = group_runs(runs, fields)
-    sweep = Sweep(runs, fields, groups, permutations, smooth)
+    check_pairs(groups, tuple(pairs))
+    sweep = Sweep(runs, fields, groups, permutations, smooth, tuple(pairs))
     done = [(s, r) for s in sections if s.applies(sweep) and (r := s.compute(sweep)) is not None]
     lead: Figures = {}
     rest: Figures = {}

@@ -27,13 +27,15 @@ Figures = dict[str, tuple[Path, str]]
 @dataclass(frozen=True)
 class Sweep:
     """What every section reads: the runs, the config fields that vary between them, the groups those
-    fields split the runs into (analysis.load.group_runs), and the report's settings."""
+    fields split the runs into (analysis.load.group_runs), and the report's settings: among them `pairs`,
+    named pairs of groups compared although a varying field differs (each objective at its own lr)."""
 
     runs: list[Run]
     fields: list[str]
     groups: dict[str, list[Run]]
     permutations: int = 10_000
     smooth: float = 0.0
+    pairs: tuple[tuple[str, str], ...] = ()  # groups to compare across settings too (`--pair`)
 
 
 def always(sweep: Sweep) -> bool:

@@ -32,5 +32,8 @@ for w in ${WARM_STARTS:-0 1 2 3 4 5}; do
 done
 if (( $(sittings_finished) == 96 )); then
   moe-rl-calibrate --summarize "$keep"/calibration/ws? --out "$keep/calibration/summary"
-  moe-rl-analyze "$sweep" --out "results/$name" --title "moe-rl: $name (pre-registered)"
+  # The pre-registered secondary pairs at GSPO's own step size (2e-4, twice GRPO's): across lr, so named.
+  grpo="grpo (replay=off) lr=0.0001" r2="grpo_rr (replay=old) lr=0.0001" gspo2="gspo (replay=off) lr=0.0002"
+  moe-rl-analyze "$sweep" --out "results/$name" --title "moe-rl: $name (pre-registered)" \
+    --pair "$gspo2" "$grpo" --pair "$gspo2" "$r2"
 fi

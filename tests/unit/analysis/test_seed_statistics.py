@@ -439,3 +439,29 @@ def test_report_table_json_keeps_per_seed_values(tmp_path):
     assert "## Expected accuracy over training" in text and "| grpo (replay=off) | 3 |" in text
     assert "![expected_accuracy](expected_accuracy.png)" in text
     assert (tmp_path / "out" / "expected_accuracy.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_analyze_cli_pair_compares_groups_across_a_swept_field_and_names_an_unknown_label(tmp_path):
+    """--pair A B adds the pair A vs B although lr differs (each objective at its own lr), paired by seed,
+    without repeating a pair the sweep already compares; a label that is no group stops the command with a
+    message that names it and lists the groups."""
+    import json
+
+    from analysis.cli import main as analyze_main
+
+    for seed in range(2):
+        for preset, lr, acc in (("grpo", 1e-4, 0.3), ("gspo", 1e-4, 0.5), ("gspo", 2e-4, 0.6)):
+            rows = run_metrics([0.1, 0.2, 0.3, 0.4])
+            rows[3]["eval/accuracy"] = acc + 0.1 * seed
+            write_run(tmp_path / "sweep" / f"{preset}{lr}_{seed}", run_config(preset, seed, lr), rows)
+    out = tmp_path / "out"
+    own, shared = "gspo (replay=off) lr=0.0002", "grpo (replay=off) lr=0.0001"
+    analyze_main([str(tmp_path / "sweep"), "--out", str(out), "--permutations", "50",
+                  "--pair", own, shared, "--pair", shared, "gspo (replay=off) lr=0.0001"])
+    pairs = {(p["a"], p["b"]): p for p in json.loads((out / "table.json").read_text())["pairs"]}
+    assert sorted(pairs) == sorted([(shared, "gspo (replay=off) lr=0.0001"), (own, shared)])
+    assert pairs[own, shared]["outcome_diff"]["diff"] == pytest.approx(0.3, rel=1e-12)
+    assert pairs[own, shared]["outcome_diff"]["test"] == "paired t-test"
+    with pytest.raises(SystemExit, match=r"--pair: no group 'gspo lr=2e-4'; the groups are 'grpo"):
+        analyze_main([str(tmp_path / "sweep"), "--out", str(tmp_path / "o2"), "--pair", "gspo lr=2e-4", shared])
+    assert not (tmp_path / "o2" / "report.md").exists()
