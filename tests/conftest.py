@@ -1,6 +1,7 @@
 """Shared test setup: offline W&B, deterministic small CPU runs."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -70,16 +71,30 @@ def tokenizer():
     return build_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory) -> Path:
+    """One warm-start cache for the session's tests that only use warm starts (not those that test the cache):
+    entries are content-addressed by everything that determines their weights, so tests that ask for the same
+    warm start share one build, and different ones never mix. Under pytest-xdist (-n) the workers share it
+    too (the run's temporary root, above each worker's own): the cache's lock makes a second worker that
+    asks for an entry being built wait for it rather than build it again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    (root / "warm_cache").mkdir(exist_ok=True)
+    return root / "warm_cache"
+
+
 WARM = ["warmstart.target_low=0.1", "warmstart.target_high=0.9", "warmstart.eval_every=10", "warmstart.eval_size=64"]
 
 
 @pytest.fixture(scope="session")
-def warm_overrides(tmp_path_factory):
+def warm_overrides(warm_cache):
     """Hydra overrides under which the tiny test runs start from a warm start built once per session."""
     from moe_rl.warmstart import warm_start
     from tests.integration.test_train_loop import TINY, compose_config
 
-    overrides = [*WARM, f"warmstart.cache_dir={tmp_path_factory.mktemp('warmstart')}"]
+    overrides = [*WARM, f"warmstart.cache_dir={warm_cache}"]
     cfg = compose_config([*TINY, *overrides])
     warm_start(cfg.model, cfg.task.name, cfg.task.difficulty, cfg.warmstart, cfg.seed,
                max_new_tokens=cfg.sampler.max_new_tokens, progress=False)

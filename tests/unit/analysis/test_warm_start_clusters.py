@@ -149,7 +149,7 @@ def test_single_warm_start_sweep_is_labelled_conditional_and_per_seed_builds_are
 
 
 @pytest.mark.slow
-def test_real_tiny_sweep_over_build_seeds_is_read_as_clusters(tmp_path):
+def test_real_tiny_sweep_over_build_seeds_is_read_as_clusters(tmp_path, warm_cache):
     """A real moe-rl-train sweep, 2 warm starts (build_seed 0, 1) x 2 RL seeds x GRPO, GSPO: moe-rl-analyze
     reads the design from the runs' .hydra configs, keeps one group per objective and gives a cluster row."""
     import subprocess
@@ -160,7 +160,7 @@ def test_real_tiny_sweep_over_build_seeds_is_read_as_clusters(tmp_path):
     repo = Path(__file__).resolve().parents[3]
     sweep, out = tmp_path / "sweep", tmp_path / "out"
     train = [sys.executable, "-m", "moe_rl.train", "-m", *SWEEP, "warmstart.build_seed=0,1",
-             f"warmstart.cache_dir={tmp_path / 'ws'}", f"hydra.sweep.dir={sweep}"]  # fmt: skip
+             f"warmstart.cache_dir={warm_cache}", f"hydra.sweep.dir={sweep}"]  # fmt: skip
     subprocess.run(train, cwd=repo, check=True, capture_output=True, text=True, timeout=1200)
     runs = load_local([sweep], progress=False)
     design = detect_design(runs)

@@ -172,14 +172,14 @@ def test_optimizer_choice_follows_dtype_and_master_weights():
 
 
 @pytest.mark.slow
-def test_bf16_warm_started_run_end_to_end(tmp_path):
+def test_bf16_warm_started_run_end_to_end(tmp_path, warm_cache):
     """A bfloat16 run warm-starts in bfloat16, samples, and takes RL steps with old-policy replay: finite
     losses, no expert change on the on-policy mini-batch, the trained parameters stay bfloat16 and move,
     and the same seed reproduces the run's metrics exactly."""
     overrides = [
         *BF16,
         *WARM,
-        f"warmstart.cache_dir={tmp_path / 'ws'}",
+        f"warmstart.cache_dir={warm_cache}",  # one bfloat16 warm start for both tests
         "objective=grpo_rr",
         "trainer.lr=1e-3",
     ]
@@ -198,13 +198,13 @@ def test_bf16_warm_started_run_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_resume_matches_uninterrupted_run(tmp_path):
+def test_bf16_resume_matches_uninterrupted_run(tmp_path, warm_cache):
     """A bfloat16 run stopped after 1 step and resumed to 3 logs the same metrics as a 3-step run: the
     checkpoint restores the float32 master weights, not only their bfloat16 rounding."""
     overrides = [
         *BF16,
         *WARM,
-        f"warmstart.cache_dir={tmp_path / 'ws'}",
+        f"warmstart.cache_dir={warm_cache}",  # one bfloat16 warm start for both tests
         "objective=grpo",
         "trainer.lr=1e-3",
         "trainer.steps=3",
