@@ -79,10 +79,9 @@ def warm_cache(tmp_path_factory) -> Path:
     too (the run's temporary root, above each worker's own): the cache's lock makes a second worker that
     asks for an entry being built wait for it rather than build it again."""
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    (root / "warm_cache").mkdir(exist_ok=True)
-    return root / "warm_cache"
+    cache = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "warm_cache"
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 WARM = ["warmstart.target_low=0.1", "warmstart.target_high=0.9", "warmstart.eval_every=10", "warmstart.eval_size=64"]
