@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from moe_rl.models.config import DTYPES, ModelConfig
-from moe_rl.objectives import OBJECTIVES, SPECS
-from moe_rl.objectives.common import AGGREGATIONS, KL_ESTIMATOR_NAMES, ROLLOUT_IS_MODES
+from moe_rl.objectives import validate_config
+from moe_rl.objectives.config import ObjectiveConfig
 from moe_rl.rollout.sampler import SamplerConfig
 from moe_rl.tasks.config import DATASET, TaskConfig
 
@@ -27,123 +27,9 @@ REPLAY_SOURCES = ("off", "old", "rollout")
 NOISE_GROWTH = ("sqrt", "constant")
 NOISE_SCOPES = ("update", "trainer")
 PARALLEL = ("ddp", "fsdp")
+ESS_RULES = ("off", "sqrt", "linear")
+"""trainer.ess_step_scale values (moe_rl/trainer/ess_scale.py)."""
 WANDB_MODES = ("offline", "online", "disabled")
-
-
-@dataclass
-class ObjectiveConfig:
-    """The policy objective and its clip range (GSPO paper's settings in conf/objective/)."""
-
-    name: str = "gspo"
-    """Registry key in moe_rl.objectives.OBJECTIVES: grpo, gspo, gspo_token, cispo, gmpo, sapo, sapo_seq."""
-    preset: str = "gspo"
-    """Label of the preset (grpo, grpo_rr, grpo_r3, gspo, gspo_token, cispo, gmpo, grpo_dualclip,
-    grpo_tis, ...; see conf/objective/) used in tables and W&B."""
-    clip_low: float = 3e-4
-    """Lower clip: ratios below 1 - clip_low are clipped for negative advantages. cispo: the weight's lower
-    bound 1 - clip_low (1 = none, its paper); gmpo: a log-space bound, log-ratios below -clip_low."""
-    clip_high: float = 4e-4
-    """Upper clip: ratios above 1 + clip_high are clipped for positive advantages. cispo: the weight's upper
-    bound 1 + clip_high; gmpo: a log-space bound, log-ratios above clip_high."""
-    loss_agg: str = "seq-mean-token-mean"
-    """Aggregation (grpo and cispo; the others define seq-mean-token-mean only): seq-mean-token-mean,
-    token-mean, seq-mean-token-sum-norm."""
-    beta: float = 0.0
-    """KL penalty to the initial (reference) policy, estimated by kl_estimator; 0 as in the paper."""
-    kl_estimator: str = "k3"
-    """KL estimator of the beta penalty, δ = ref_logp - logp: k1 (-δ), k2 (δ²/2), k3 (exp δ - δ - 1),
-    low_var_kl (k3 capped at 10, verl's low_var_kl) or k3_unbiased (k3 times π_θ / π_old, DeepSeek-V3.2's
-    unbiased KL; TRL use_bias_correction_kl). Read only when beta > 0."""
-    clip_ratio_c: float | None = None
-    """Dual-clip constant c > 1 (grpo, gspo, gspo_token): a negative advantage's loss is capped at c·|Â|
-    (Ye et al. 2020; verl clip_ratio_c, default 3). null = off."""
-    rollout_is: str = "none"
-    """Rollout importance-sampling correction by ρ = π_old / π_sampler: none, token_truncate (TIS),
-    sequence_truncate, token_mask (MIS), sequence_mask (TRL's vllm_importance_sampling_mode names; sequence
-    ρ is the product of token ratios), geo_sequence_truncate, geo_sequence_mask (ρ the geometric mean,
-    length-normalised: Geo-MIS), icepop (two-sided token mask [α, β] = rollout_is_band). Useful when the
-    sampler differs from the trained model (trainer.sampler_dtype)."""
-    rollout_is_cap: float = 2.0
-    """C > 1 of rollout_is: truncate modes cap ρ at C; mask modes drop tokens or sequences with ρ outside
-    [1/C, C]. Read only when rollout_is is not none or icepop."""
-    rollout_is_band: list[float] = field(default_factory=lambda: [0.5, 5.0])
-    """[α, β] of rollout_is=icepop, 0 <= α < 1 < β (Ring-1T's 0.5, 5): tokens with ρ outside it are masked."""
-    opsm_delta: float | None = None
-    """Off-policy sequence masking (DeepSeek-V3.2): a sequence's Â < 0 tokens leave the loss when its mean
-    log(π_sampler / π_θ) exceeds δ >= 0 (slime --opsm-delta, default 1e-4; TRL off_policy_mask_threshold).
-    Any objective; null = off."""
-    tau_pos: float = 1.0
-    """SAPO's gate temperature for Â > 0 (sapo, sapo_seq; TRL sapo_temperature_pos, verl tau_pos)."""
-    tau_neg: float = 1.05
-    """SAPO's gate temperature for Â <= 0 (TRL sapo_temperature_neg, verl tau_neg)."""
-    router_shift: bool = False
-    """RSPO (arXiv 2510.23027): rescale the objective's importance ratio, before its clip, by the per-token
-    router-shift ratio γ̃ = max(sg[exp(−mean over layers and the old policy's activated experts of
-    |log p_θ(e) − log p_old(e)|)], router_shift_floor), p the router's softmax over experts, read from the
-    update forward's recorded router logits (moe_rl.objectives.router_shift). Any objective; RSPO itself is
-    gmpo with it (preset rspo)."""
-    router_shift_floor: float = 0.8
-    """γ_min in (0, 1]: the floor of the router-shift ratio (1 = rescaling off). No value could be read
-    from the paper's stored text; 0.8 is the threshold the public verl port counts as clipped."""
-    normalize_std: bool = True
-    """Divide group advantages by the group std (False = Dr. GRPO)."""
-    extreme_band: list[float] = field(default_factory=lambda: [0.5, 2.0])
-    """Token ratios outside [lo, hi] count in ratio/token/extreme_frac."""
-    extreme_weight_band: list[float] = field(default_factory=lambda: [0.1, 10.0])
-    """Ratios (the objective's own: r_it, or s_i for gspo, gspo_token and gmpo) outside [lo, hi] count as
-    extreme in policy/extreme_weight_share, the share of gradient weight Σ|ρ·Â| such entries carry."""
-
-    def validate(self) -> None:
-        """Raise ValueError naming the offending field (the checks that read objective.* alone)."""
-        if self.name not in OBJECTIVES:
-            raise ValueError(f"objective.name={self.name!r}: expected one of {sorted(OBJECTIVES)}")
-        if self.loss_agg not in AGGREGATIONS:
-            raise ValueError(f"objective.loss_agg={self.loss_agg!r}: expected one of {sorted(AGGREGATIONS)}")
-        spec = SPECS[self.name]
-        if self.loss_agg not in spec.loss_aggs:
-            raise ValueError(
-                f"objective.loss_agg={self.loss_agg!r}: {self.name} defines {', '.join(spec.loss_aggs)} only"
-            )
-        below_one = self.clip_low <= 1 if spec.clip_low_may_be_one else self.clip_low < 1
-        if not (self.clip_low >= 0 and below_one):
-            interval = "[0, 1]" if spec.clip_low_may_be_one else "[0, 1)"
-            raise ValueError(f"objective.clip_low={self.clip_low}: must be in {interval} for {self.name}")
-        if self.kl_estimator not in KL_ESTIMATOR_NAMES:
-            raise ValueError(
-                f"objective.kl_estimator={self.kl_estimator!r}: expected one of {list(KL_ESTIMATOR_NAMES)}"
-            )
-        band = self.rollout_is_band
-        if len(band) != 2 or not 0 <= band[0] < 1 < band[1]:
-            raise ValueError(f"objective.rollout_is_band={band}: expected [α, β] with 0 <= α < 1 < β")
-        if self.opsm_delta is not None and not self.opsm_delta >= 0:
-            raise ValueError(f"objective.opsm_delta={self.opsm_delta}: must be >= 0 (or null)")
-        if not 0 < self.router_shift_floor <= 1:
-            raise ValueError(f"objective.router_shift_floor={self.router_shift_floor}: must be in (0, 1]")
-        for name in ("tau_pos", "tau_neg"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"objective.{name}={getattr(self, name)}: SAPO's temperature must be > 0")
-        if self.clip_ratio_c is not None and not spec.dual_clip:
-            raise ValueError(
-                f"objective.clip_ratio_c={self.clip_ratio_c}: dual-clip caps PPO's min, which {self.name} does "
-                "not have; set it to null"
-            )
-        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
-            raise ValueError(f"objective.clip_ratio_c={self.clip_ratio_c}: must be > 1 (or null)")
-        if self.rollout_is not in ROLLOUT_IS_MODES:
-            raise ValueError(f"objective.rollout_is={self.rollout_is!r}: expected one of {ROLLOUT_IS_MODES}")
-        if not self.rollout_is_cap > 1:
-            raise ValueError(f"objective.rollout_is_cap={self.rollout_is_cap}: must be > 1")
-        if self.clip_high < 0:
-            raise ValueError(f"objective.clip_high={self.clip_high}: must be >= 0")
-        if self.beta < 0:
-            raise ValueError(f"objective.beta={self.beta}: must be >= 0")
-        if len(self.extreme_band) != 2 or not 0 <= self.extreme_band[0] < 1 < self.extreme_band[1]:
-            raise ValueError(
-                f"objective.extreme_band={self.extreme_band}: expected [lo, hi] with 0 <= lo < 1 < hi"
-            )
-        band = self.extreme_weight_band
-        if len(band) != 2 or not 0 <= band[0] < 1 < band[1]:
-            raise ValueError(f"objective.extreme_weight_band={band}: expected [lo, hi] with 0 <= lo < 1 < hi")
 
 
 @dataclass
@@ -283,6 +169,11 @@ class TrainerConfig:
     paper, section 5.4). The same weights at the same precision compute them, so they agree with a full
     forward to float rounding (~1e-6), and the first mini-batch's ratios are 1 to that precision
     instead of exactly. Needs the sampler to be the trained model (trainer.sampler_dtype null)."""
+    ess_step_scale: str = "off"
+    """VCPO's step scale (arXiv 2602.17616; moe_rl/trainer/ess_scale.py): off, sqrt or linear. Each
+    optimizer step's lr is multiplied by min(1, ESS/n)^(1/2) (sqrt) or min(1, ESS/n) (linear), ESS the
+    effective sample size of the mini-batch's sequence weights π_old/μ, then restored, so the schedule is
+    untouched; logged as train/ess_lr_factor. With a sampler that is the trained model the factor is 1."""
     export_hf: bool = False
     """Also write the policy in Hugging Face format (`policy/` in the run folder: `save_pretrained` of
     the model and tokenizer, plus moe_rl.json with the config and metrics) at every checkpoint. It is
@@ -324,6 +215,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.sampler_dtype={self.sampler_dtype!r}: expected one of {DTYPES} or null")
         if self.parallel not in PARALLEL:
             raise ValueError(f"trainer.parallel={self.parallel!r}: expected one of {PARALLEL}")
+        if self.ess_step_scale not in ESS_RULES:
+            raise ValueError(f"trainer.ess_step_scale={self.ess_step_scale!r}: expected one of {ESS_RULES}")
         if self.dist_timeout_s < 1:
             raise ValueError(f"trainer.dist_timeout_s={self.dist_timeout_s}: must be >= 1")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -645,7 +538,7 @@ class Config:
         self.model.validate()
         self.task.validate()
         self._validate_dataset_options()
-        self.objective.validate()
+        validate_config(self.objective)
         t, sp, r = self.trainer, self.sampler, self.routing
         if self.objective.rollout_is != "none" and t.reuse_sampler_logp:
             raise ValueError(

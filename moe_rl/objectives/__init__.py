@@ -100,17 +100,54 @@ from __future__ import annotations
 
 from moe_rl.objectives.cispo import CISPO, cispo
 from moe_rl.objectives.common import group_advantages
+from moe_rl.objectives.config import ObjectiveConfig
+from moe_rl.objectives.dppo import DPPO_KL, DPPO_TOPK_KL, DPPO_TOPK_TV, DPPO_TV
 from moe_rl.objectives.gmpo import GMPO, gmpo
 from moe_rl.objectives.grpo import GRPO, grpo
 from moe_rl.objectives.gspo import GSPO, GSPO_TOKEN, gspo, gspo_token
 from moe_rl.objectives.sapo import SAPO, SAPO_SEQ
 from moe_rl.objectives.surrogate import Objective, ObjectiveInputs
+from moe_rl.objectives.topk import TopK
+from moe_rl.objectives.vespo import LUSPO, VESPO
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (GRPO, GSPO, GSPO_TOKEN, CISPO, GMPO, SAPO, SAPO_SEQ)}
+OBJECTIVES: dict[str, Objective] = {
+    o.name: o
+    for o in (GRPO, GSPO, GSPO_TOKEN, CISPO, GMPO, SAPO, SAPO_SEQ, VESPO, LUSPO, DPPO_TV, DPPO_KL, DPPO_TOPK_TV,
+              DPPO_TOPK_KL)
+}
 """The registry: the one lookup the trainer (and config validation) makes."""
 SPECS = OBJECTIVES
 """Which options each objective gives a meaning to (its `Objective` fields); the same values as OBJECTIVES."""
 ObjectiveSpec = Objective
+VESPO_ROLLOUT_IS = ("none", "token_truncate", "token_mask")
+"""The rollout IS modes VESPO folds into its log w (TRL refuses the others)."""
 
-__all__ = ["OBJECTIVES", "SPECS", "Objective", "ObjectiveInputs", "ObjectiveSpec", "cispo", "gmpo",
-           "group_advantages", "grpo", "gspo", "gspo_token"]
+
+def validate_config(cfg: ObjectiveConfig) -> None:
+    """Raise ValueError naming the first bad objective.* field: its own range checks (`cfg.validate`),
+    then those that read what the objective gives a meaning to (its `Objective` fields)."""
+    if cfg.name not in OBJECTIVES:
+        raise ValueError(f"objective.name={cfg.name!r}: expected one of {sorted(OBJECTIVES)}")
+    cfg.validate()
+    spec = OBJECTIVES[cfg.name]
+    if cfg.loss_agg not in spec.loss_aggs:
+        raise ValueError(f"objective.loss_agg={cfg.loss_agg!r}: {cfg.name} defines {', '.join(spec.loss_aggs)} only")
+    if not (cfg.clip_low <= 1 if spec.clip_low_may_be_one else cfg.clip_low < 1):
+        interval = "[0, 1]" if spec.clip_low_may_be_one else "[0, 1)"
+        raise ValueError(f"objective.clip_low={cfg.clip_low}: must be in {interval} for {cfg.name}")
+    if cfg.clip_ratio_c is not None and not spec.dual_clip:
+        raise ValueError(f"objective.clip_ratio_c={cfg.clip_ratio_c}: dual-clip caps PPO's min, which {cfg.name} "
+                         "does not have; set it to null")
+    if not spec.anchored and (cfg.anchor != "old" or cfg.kl_tau):
+        raise ValueError(f"objective.anchor={cfg.anchor!r}, objective.kl_tau={cfg.kl_tau}: only the DPPO family "
+                         f"reads them, not {cfg.name}; leave them at old and 0")
+    if spec.needs_topk and cfg.anchor != "sampler":
+        raise ValueError(f"objective.anchor={cfg.anchor!r}: {cfg.name} measures its divergence against the "
+                         "sampler's top-k distribution; set objective.anchor=sampler")
+    if spec.folds_rollout_is and cfg.rollout_is not in VESPO_ROLLOUT_IS:
+        raise ValueError(f"objective.rollout_is={cfg.rollout_is!r}: {cfg.name} folds a token-level correction "
+                         f"into its weight, one of {VESPO_ROLLOUT_IS} (as TRL)")
+
+
+__all__ = ["OBJECTIVES", "SPECS", "Objective", "ObjectiveConfig", "ObjectiveInputs", "ObjectiveSpec", "TopK",
+           "cispo", "gmpo", "group_advantages", "grpo", "gspo", "gspo_token", "validate_config"]

@@ -32,11 +32,11 @@ from moe_rl.objectives.surrogate import Objective, Prepared, Ratio, Surrogate, t
 
 def truncated_weight_reinforce(ratio: Ratio, p: Prepared) -> Surrogate:
     """ℓ_it = −sg(clip(r_it, 1 − clip_low, 1 + clip_high)) Â_it logp_it; no token's gradient is dropped."""
-    x = p.x
+    c = p.x.cfg
     r_BT = ratio.value.detach()
-    r_hat_BT = r_BT.clamp(1.0 - x.clip_low, 1.0 + x.clip_high)
+    r_hat_BT = r_BT.clamp(1.0 - c.clip_low, 1.0 + c.clip_high)
     loss_BT = -r_hat_BT * p.adv_BT * p.logp_BT
-    low_BT, high_BT = p.mask_BT & (r_BT < 1.0 - x.clip_low), p.mask_BT & (r_BT > 1.0 + x.clip_high)
+    low_BT, high_BT = p.mask_BT & (r_BT < 1.0 - c.clip_low), p.mask_BT & (r_BT > 1.0 + c.clip_high)
     return Surrogate(loss_BT, low_BT, high_BT, p.mask_BT, r_hat_BT)
 
 

@@ -34,14 +34,14 @@ from moe_rl.objectives.surrogate import Objective, Prepared, Ratio, Surrogate
 
 def geo_mean_clipped_ratio(p: Prepared) -> Ratio:
     """ρ_i, the geometric mean of the log-clipped token ratios, [B]; the clip's masks come with it."""
-    x, mask_BT = p.x, p.mask_BT
+    c, mask_BT = p.x.cfg, p.mask_BT
     d_BT = (p.logp_BT - p.old_logp_BT).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     sign_BT = torch.sign(p.adv)[:, None].expand_as(d_BT)
-    d_hat_BT = sign_BT * torch.minimum(sign_BT * d_BT, sign_BT * d_BT.clamp(-x.clip_low, x.clip_high))
+    d_hat_BT = sign_BT * torch.minimum(sign_BT * d_BT, sign_BT * d_BT.clamp(-c.clip_low, c.clip_high))
     rho_B = torch.exp(torch.where(mask_BT, d_hat_BT, 0.0).sum(-1) / mask_BT.sum(-1).clamp(min=1))
     with torch.no_grad():
-        low_BT = mask_BT & (sign_BT < 0) & (d_BT < -x.clip_low)
-        high_BT = mask_BT & (sign_BT > 0) & (d_BT > x.clip_high)
+        low_BT = mask_BT & (sign_BT < 0) & (d_BT < -c.clip_low)
+        high_BT = mask_BT & (sign_BT > 0) & (d_BT > c.clip_high)
         in_bound_BT = (p.logp_BT - p.old_logp_BT).abs() <= LOG_RATIO_BOUND
         s_B = seq_log_ratio(p.logp_BT, p.old_logp_BT, mask_BT).exp()
     return Ratio(rho_B, s_B, in_bound_BT, low_BT, high_BT)

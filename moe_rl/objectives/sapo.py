@@ -39,9 +39,9 @@ from moe_rl.objectives.surrogate import (
 
 def soft_gate(ratio: Ratio, p: Prepared) -> Surrogate:
     """ℓ = −σ(τ(ρ − 1)) · 4/τ · Â with τ by Â's sign; no token's gradient is zeroed (but by the clamp)."""
-    x = p.x
+    c = p.x.cfg
     rho, adv = ratio.value, (p.adv if ratio.value.dim() == 1 else p.adv_BT)
-    tau = torch.where(adv > 0, rho.new_tensor(x.tau_pos), rho.new_tensor(x.tau_neg))  # in ρ's dtype
+    tau = torch.where(adv > 0, rho.new_tensor(c.tau_pos), rho.new_tensor(c.tau_neg))  # in ρ's dtype
     gate = torch.sigmoid(tau * (rho - 1.0))
     loss = -(gate * 4.0 / tau) * adv
     with torch.no_grad():

@@ -27,15 +27,16 @@ trainer.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
 
 from moe_rl import reduction as S
 from moe_rl.objectives import diagnostics as D
+from moe_rl.objectives.config import ObjectiveConfig
+from moe_rl.objectives.topk import TopK
 from moe_rl.objectives.common import (
     DEFAULT_EXTREME_BAND,
     DEFAULT_EXTREME_WEIGHT_BAND,
@@ -56,12 +57,13 @@ from moe_rl.objectives.common import (
 
 @dataclass(frozen=True)
 class ObjectiveInputs:
-    """Everything an objective receives, in one value: the tensors of a mini-batch and the options.
+    """Everything an objective receives, in one value: the tensors of a mini-batch and its config whole.
 
     Tensors: logp [B, T] log π_θ of the sampled tokens (the gradient flows through it); old_logp [B, T]
     log π_old; advantages [B] per sequence (Â_i) or [B, T] per token (Â_it); mask [B, T] bool, True at
     valid tokens (padding may hold anything, even NaN); ref_logp, sampler_logp [B, T] or None.
-    Unknown keywords raise TypeError (the dataclass's own __init__).
+    `cfg` is the run's `ObjectiveConfig` (moe_rl.objectives.config): each objective reads the options it
+    gives a meaning to. The rest is what the trainer knows and the config does not.
     """
 
     logp: Tensor
@@ -69,45 +71,21 @@ class ObjectiveInputs:
     advantages: Tensor
     mask: Tensor
     _: KW_ONLY
-    clip_low: float
-    """The clip range's lower side: ratios below 1 − clip_low (gmpo: log-ratios below −clip_low)."""
-    clip_high: float
-    """The clip range's upper side: 1 + clip_high (gmpo: log-space clip_high)."""
-    loss_agg: str | None = None
-    """seq-mean-token-mean, token-mean or seq-mean-token-sum-norm; None = the objective's default."""
+    cfg: ObjectiveConfig
     max_len: int | None = None
-    """The constant of seq-mean-token-sum-norm (read by that mode only)."""
-    beta: float = 0.0
-    """Coefficient of the KL penalty to ref_logp (0 = none)."""
+    """The constant of seq-mean-token-sum-norm (read by that mode only): sampler.max_new_tokens."""
     ref_logp: Tensor | None = None
-    extreme_band: tuple[float, float] = DEFAULT_EXTREME_BAND
-    """`ratio/token/extreme_frac` counts token ratios outside it."""
-    kl_estimator: str = "k3"
-    """kl of the beta penalty, one of common.KL_ESTIMATORS."""
-    clip_ratio_c: float | None = None
-    """Dual-clip constant c > 1 (ppo_clip only); None = off."""
+    """The reference policy's [B, T] log-probs, for the beta penalty."""
     sampler_logp: Tensor | None = None
-    """The sampler's log-probs, for the rollout IS weight."""
-    rollout_is: str = "none"
-    """Rollout IS correction mode, one of common.ROLLOUT_IS_MODES."""
-    rollout_is_cap: float = 2.0
-    """Its C > 1."""
-    extreme_weight_band: tuple[float, float] = DEFAULT_EXTREME_WEIGHT_BAND
-    """`policy/extreme_weight_share` counts the objective's ratios outside it as extreme."""
-    rollout_is_band: tuple[float, float] = DEFAULT_ICEPOP_BAND
-    """[α, β] of rollout_is="icepop": tokens whose π_old / π_sampler leaves it are masked."""
+    """The sampler's [B, T] log-probs μ: the rollout IS weight, OPSM, and the DPPO anchor=sampler."""
     mismatch_diagnostics: bool = False
-    """Log `rollout_is/ess` and `rollout_is/chi2` even with rollout_is="none" (a low-precision sampler)."""
-    tau_pos: float = 1.0
-    """SAPO's gate temperature where Â > 0 (TRL sapo_temperature_pos, verl tau_pos)."""
-    tau_neg: float = 1.05
-    """SAPO's gate temperature where Â ≤ 0 (TRL sapo_temperature_neg, verl tau_neg)."""
-    opsm_delta: float | None = None
-    """Off-policy sequence masking's δ (DeepSeek-V3.2): drop Â < 0 tokens of sequences whose mean
-    log(π_sampler / π_θ) exceeds δ; None = off."""
+    """Log `rollout_is/ess` and `rollout_is/chi2` even with rollout_is="none" (the sampler's log-probs differ
+    from π_old's: another precision, engine or policy version)."""
     router_shift: Tensor | None = None
     """RSPO's floored router-shift ratio γ̃ [B, T] in (0, 1], no gradient (moe_rl.objectives.router_shift):
     the objective's ratio is rescaled by it before the clip; None = off."""
+    topk: TopK | None = None
+    """The top-k distributions the dppo_topk_* divergences read (moe_rl.objectives.dppo); None elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +102,9 @@ class Prepared:
     ref_logp_BT: Tensor | None
     aggregate: Aggregate
     x: ObjectiveInputs
-    """The raw inputs, for the options."""
+    """The raw inputs, for the options (`x.cfg`)."""
+    is_weight_BT: Tensor | None = None
+    """The rollout IS weight ω (common.rollout_is_weight), for a ratio that folds it in (VESPO)."""
 
 
 @dataclass(frozen=True)
@@ -181,29 +161,47 @@ class Objective:
     clip_low_may_be_one: bool = False
     """Whether clip_low = 1 (no lower bound) is allowed."""
 
-    # The keyword form's signature is ObjectiveInputs' (inspect.signature reads this).
-    __signature__ = inspect.signature(ObjectiveInputs)
+    folds_rollout_is: bool = False
+    """Whether the ratio takes the rollout IS correction inside it (VESPO: into log w), so that `compute`
+    does not multiply the loss by ω again."""
+    anchored: bool = False
+    """Whether it reads objective.anchor (the DPPO family): anchor=sampler builds its ratio on μ."""
+    needs_topk: bool = False
+    """Whether it reads the sampler's top-k distribution (`ObjectiveInputs.topk`; the sampler records it)."""
 
     def compute(self, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
         """(loss, stats): the scalar to minimise and its diagnostics as reducible `Stats`."""
         return compute(self, x)
 
+    def inputs(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, **kwargs) -> ObjectiveInputs:
+        """ObjectiveInputs from keywords: ObjectiveInputs' own fields (ref_logp, sampler_logp, max_len, ...)
+        and ObjectiveConfig's (clip_low, clip_high, ...; loss_agg defaults to the objective's own). An
+        unknown keyword raises TypeError."""
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in INPUT_FIELDS}
+        kwargs["loss_agg"] = kwargs.get("loss_agg") or self.default_loss_agg
+        cfg = ObjectiveConfig(name=self.name, preset=self.name, **kwargs)
+        return ObjectiveInputs(logp, old_logp, advantages, mask, cfg=cfg, **own)
+
     def __call__(self, *args, **kwargs) -> tuple[Tensor, dict[str, float]]:
         """Keyword form: `objective(logp, old_logp, advantages, mask, clip_low=..., ...)`, float metrics."""
-        loss, stats = compute(self, ObjectiveInputs(*args, **kwargs))
+        loss, stats = compute(self, self.inputs(*args, **kwargs))
         return loss, S.values(stats)
+
+
+INPUT_FIELDS = {f.name for f in fields(ObjectiveInputs)} - {"logp", "old_logp", "advantages", "mask", "cfg"}
+"""The keyword form's names that are ObjectiveInputs' own rather than the config's."""
 
 
 def check(obj: Objective, x: ObjectiveInputs, loss_agg: str) -> None:
     """Raise ValueError on options the objective cannot give a meaning to."""
-    check_options(x.clip_low, x.clip_high, x.beta, x.ref_logp, x.extreme_band, x.extreme_weight_band,
+    check_options(x.cfg.clip_low, x.cfg.clip_high, x.cfg.beta, x.ref_logp, x.cfg.extreme_band, x.cfg.extreme_weight_band,
                   allow_no_lower_clip=obj.clip_low_may_be_one)
-    check_corrections(x.mask, x.kl_estimator, x.clip_ratio_c, x.sampler_logp, x.rollout_is, x.rollout_is_cap,
-                      x.rollout_is_band)
-    if not (x.tau_pos > 0 and x.tau_neg > 0):
-        raise ValueError(f"SAPO's temperatures must be > 0, got tau_pos={x.tau_pos}, tau_neg={x.tau_neg}")
-    if x.opsm_delta is not None and not x.opsm_delta >= 0:
-        raise ValueError(f"opsm_delta must be >= 0 or None, got {x.opsm_delta}")
+    check_corrections(x.mask, x.cfg.kl_estimator, x.cfg.clip_ratio_c, x.sampler_logp, x.cfg.rollout_is, x.cfg.rollout_is_cap,
+                      x.cfg.rollout_is_band)
+    if not (x.cfg.tau_pos > 0 and x.cfg.tau_neg > 0):
+        raise ValueError(f"SAPO's temperatures must be > 0, got tau_pos={x.cfg.tau_pos}, tau_neg={x.cfg.tau_neg}")
+    if x.cfg.opsm_delta is not None and not x.cfg.opsm_delta >= 0:
+        raise ValueError(f"opsm_delta must be >= 0 or None, got {x.cfg.opsm_delta}")
     if x.router_shift is not None:
         if x.router_shift.shape != x.mask.shape or x.router_shift.requires_grad:
             raise ValueError(f"router_shift must be a [B, T] = {list(x.mask.shape)} tensor without gradient, got "
@@ -213,9 +211,17 @@ def check(obj: Objective, x: ObjectiveInputs, loss_agg: str) -> None:
             raise ValueError("router_shift must lie in (0, 1] at valid tokens")
     if loss_agg not in obj.loss_aggs:
         raise ValueError(f"{obj.name} is defined with loss_agg in {obj.loss_aggs} only, got {loss_agg!r}")
-    if x.clip_ratio_c is not None and not obj.dual_clip:
+    if x.cfg.clip_ratio_c is not None and not obj.dual_clip:
         raise ValueError(f"{obj.name} has no min for dual-clip to cap: clip_ratio_c must be None, "
-                         f"got {x.clip_ratio_c}")
+                         f"got {x.cfg.clip_ratio_c}")
+    if obj.folds_rollout_is and x.cfg.rollout_is not in ("none", "token_truncate", "token_mask"):
+        raise ValueError(f"{obj.name} folds a token-level rollout IS weight into its own (token_truncate or "
+                         f"token_mask, as TRL), got rollout_is={x.cfg.rollout_is!r}")
+    if obj.anchored and x.cfg.anchor == "sampler" and (x.sampler_logp is None or x.sampler_logp.shape != x.mask.shape):
+        raise ValueError(f"{obj.name} with anchor='sampler' needs sampler_logp, the sampler's [B, T] log-probs")
+    if obj.needs_topk and (x.topk is None or x.topk.sampler_logp_BTK.shape[:2] != x.mask.shape):
+        raise ValueError(f"{obj.name} needs topk, the sampler's top-k log-probs [B, T, K] and the policy's on the "
+                         "same tokens")
     if obj.seq_advantages_only and x.advantages.dim() != 1:
         raise ValueError(f"{obj.name} needs per-sequence advantages [B], got {list(x.advantages.shape)}")
 
@@ -249,38 +255,42 @@ def prepare(x: ObjectiveInputs, aggregate: Aggregate) -> Prepared:
 
 def compute(obj: Objective, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
     """The one surrogate (see the module docstring): ratio, surrogate, correction, aggregation, KL, stats."""
-    loss_agg = x.loss_agg or obj.default_loss_agg
+    loss_agg = x.cfg.loss_agg or obj.default_loss_agg
     check(obj, x, loss_agg)
     p = prepare(x, aggregation(loss_agg, x.max_len))
     mask_BT = p.mask_BT
+    omega_BT, is_stats = rollout_is_weight(p.old_logp_BT, x.sampler_logp, mask_BT, x.cfg.rollout_is,
+                                           x.cfg.rollout_is_cap, x.cfg.rollout_is_band, x.mismatch_diagnostics)
     p_rho = p if x.router_shift is None else router_shifted(p, x.router_shift)
+    if obj.anchored and x.cfg.anchor == "sampler":  # DPPO's trust region around μ ("bypass")
+        p_rho = replace(p_rho, old_logp_BT=torch.where(mask_BT, x.sampler_logp.to(p.logp_BT), 0.0))
+    if obj.folds_rollout_is:  # the ratio takes ω in (VESPO's log w); the loss is not multiplied again
+        p_rho, omega_BT = replace(p_rho, is_weight_BT=omega_BT), mask_BT.to(omega_BT)
     ratio = obj.build_ratio(p_rho)
     sur = obj.surrogate(ratio, p_rho)
-    omega_BT, is_stats = rollout_is_weight(p.old_logp_BT, x.sampler_logp, mask_BT, x.rollout_is, x.rollout_is_cap,
-                                           x.rollout_is_band, x.mismatch_diagnostics)
-    if x.opsm_delta is not None:  # DeepSeek-V3.2's off-policy sequence mask multiplies ω (as TRL)
-        keep_BT, is_stats["policy/opsm_masked_frac"] = opsm_keep(p, x.opsm_delta)
+    if x.cfg.opsm_delta is not None:  # DeepSeek-V3.2's off-policy sequence mask multiplies ω (as TRL)
+        keep_BT, is_stats["policy/opsm_masked_frac"] = opsm_keep(p, x.cfg.opsm_delta)
         omega_BT = omega_BT * keep_BT
     if sur.loss.dim() == 1:  # one term per sequence: a token-level weight enters as its mean (as TRL)
         omega_B = omega_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)  # exactly 1 when rollout_is="none"
         loss = seq_mean(sur.loss * omega_B, mask_BT)
     else:
         loss = p.aggregate(torch.where(mask_BT, sur.loss * omega_BT, 0.0), mask_BT)
-    kl, kl_stats = kl_penalty(p.logp_BT, p.ref_logp_BT, mask_BT, x.beta, p.aggregate, x.kl_estimator,
+    kl, kl_stats = kl_penalty(p.logp_BT, p.ref_logp_BT, mask_BT, x.cfg.beta, p.aggregate, x.cfg.kl_estimator,
                               p.old_logp_BT)
     loss = loss + kl
 
     if obj.ratio == "token":  # g and the judged ratio per token
-        weights = D.weight_stats(ratio.judged, sur.weight, p.adv_BT.abs(), sur.keep_BT, x.extreme_weight_band)
+        weights = D.weight_stats(ratio.judged, sur.weight, p.adv_BT.abs(), sur.keep_BT, x.cfg.extreme_weight_band)
     else:  # per sequence, |Â_i| over the sequence's gradient-carrying tokens
         weights = D.weight_stats(ratio.judged, sur.weight, D.seq_kept_adv(p.adv_BT, sur.keep_BT, mask_BT),
-                                 mask_BT.any(-1), x.extreme_weight_band)
+                                 mask_BT.any(-1), x.cfg.extreme_weight_band)
     clip = {} if sur.low_BT is None else D.clip_stats(sur.low_BT, sur.high_BT, mask_BT)
     stats = {
         **clip,
         **weights,
         **sur.stats,
-        **D.ratio_stats(p.logp_BT, p.old_logp_BT, p.adv_BT, mask_BT, x.extreme_band),
+        **D.ratio_stats(p.logp_BT, p.old_logp_BT, p.adv_BT, mask_BT, x.cfg.extreme_band),
         **kl_stats,
         **is_stats,
     }
@@ -343,9 +353,9 @@ def ppo_clip(ratio: Ratio, p: Prepared) -> Surrogate:
     sequence counts as clipped (the GSPO paper's Fig. 2). g = ρ."""
     x = p.x
     rho, adv = ratio.value, (p.adv if ratio.value.dim() == 1 else p.adv_BT)
-    loss = clipped_surrogate(rho, adv, x.clip_low, x.clip_high, x.clip_ratio_c)
+    loss = clipped_surrogate(rho, adv, x.cfg.clip_low, x.cfg.clip_high, x.cfg.clip_ratio_c)
     rho_BT = broadcast(rho, p.logp_BT)
-    low_BT, high_BT = D.ppo_clipped(rho_BT, p.adv_BT, p.mask_BT, x.clip_low, x.clip_high)
-    keep_BT = D.ppo_keep(rho_BT, p.adv_BT, p.mask_BT, x.clip_low, x.clip_high, x.clip_ratio_c, ratio.in_bound_BT)
-    dual = D.dual_clip_stats(rho_BT, p.adv_BT, p.mask_BT, x.clip_ratio_c)
+    low_BT, high_BT = D.ppo_clipped(rho_BT, p.adv_BT, p.mask_BT, x.cfg.clip_low, x.cfg.clip_high)
+    keep_BT = D.ppo_keep(rho_BT, p.adv_BT, p.mask_BT, x.cfg.clip_low, x.cfg.clip_high, x.cfg.clip_ratio_c, ratio.in_bound_BT)
+    dual = D.dual_clip_stats(rho_BT, p.adv_BT, p.mask_BT, x.cfg.clip_ratio_c)
     return Surrogate(loss, low_BT, high_BT, keep_BT, ratio.judged, dual)

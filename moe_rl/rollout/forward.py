@@ -57,11 +57,13 @@ def response_logprobs_and_aux(
     temperature: float = 1.0,
     with_aux: bool = False,
     support: SamplingSupport | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`response_logprobs`, and with `with_aux` the family's own load-balancing loss of the forward
+    topk_ids_BRK: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`response_logprobs`; with `with_aux` the family's own load-balancing loss of the forward
     (transformers' `load_balancing_loss_func` over every MoE layer's router logits, padding masked), else
-    None. Under replay the loss is the family's function of the live router logits (its f_i counts the
-    router's own top-k, its P_i carries the gradient), as in supervised training."""
+    None; with `topk_ids_BRK` the `[B, R, K]` log-probs of those tokens at each position (no gradient; the
+    DPPO top-k divergences), else None. Under replay the loss is the family's function of the live router
+    logits (its f_i counts the router's own top-k, its P_i carries the gradient), as in supervised training."""
     inputs_BS = input_ids_BS[:, :-1]
     mask_BS = attention_mask_BS[:, :-1]
     out = model(
@@ -77,4 +79,9 @@ def response_logprobs_and_aux(
         logp_BR = token_logprobs(out.logits, tokens_BR, temperature)
     else:
         logp_BR = renormalised_logprobs(out.logits, tokens_BR, temperature, support.mask(out.logits.device))
-    return logp_BR, (out.aux_loss if with_aux else None)
+    topk_logp_BRK = None
+    if topk_ids_BRK is not None:
+        with torch.no_grad():
+            logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
+            topk_logp_BRK = logits.log_softmax(-1).gather(-1, topk_ids_BRK.to(logits.device))
+    return logp_BR, (out.aux_loss if with_aux else None), topk_logp_BRK

@@ -122,6 +122,10 @@ class Rollout:
     sample_s: the seconds its sampler spent producing it, set by the staleness wrappers (whose rollout call
         at step t samples another step, or, overlapped, waits for a background thread); None: the trainer
         timed the sampling itself.
+    topk_ids_BRK / topk_logp_BRK: the sampler's K most likely tokens at each response position and their
+        log-probs (as logp_BR records them: raw or processed), the drawn token always among them (it takes
+        the last slot when it is not in the top K, as verl's vLLM server does); None unless asked
+        (`sample(topk=K)`: the DPPO top-k divergences). Pads hold token 0 at log-prob 0.
     """
 
     prompt_ids_BP: torch.Tensor
@@ -135,6 +139,8 @@ class Rollout:
     support: SamplingSupport | None = None
     version: int | None = None
     sample_s: float | None = None
+    topk_ids_BRK: torch.Tensor | None = None
+    topk_logp_BRK: torch.Tensor | None = None
 
     def rows(self, index: slice) -> Rollout:
         """The rollout of rows `index`, at the same padded widths (a rank's share of a tensor-parallel
@@ -212,9 +218,11 @@ def sample(
     all_done: Callable[[bool], bool] | None = None,
     record_logits: bool = False,
     record_gates: bool = False,
+    topk: int = 0,
 ) -> Rollout:
     """Sample one completion per prompt (repeat prompts for groups). Records routing when given a controller
-    (with the router logits too when `record_logits`, and the gates when `record_gates`).
+    (with the router logits too when `record_logits`, and the gates when `record_gates`), and with `topk` > 0
+    each position's top-k tokens and log-probs (`Rollout.topk_ids_BRK`).
 
     Data parallel (moe_rl.trainer.distributed): `rows` samples only those rows of `prompts`, with the
     padding and random noise of the whole list, so a row's completion is the same however the list is
@@ -239,6 +247,7 @@ def sample(
     lengths_B = torch.zeros(B, dtype=torch.long, device=device)
     truncating = cfg.top_p < 1 and cfg.temperature > 0  # the nucleus differs from the whole vocabulary
     keeps: list[torch.Tensor] = []  # each step's [B, V] support (keep_sampling_mask)
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's [B, K] top-k ids and log-probs
     cache_kwarg = cache_argument(model)
     recording = controller.record(record_logits, record_gates) if controller is not None else contextlib.nullcontext()
     with recording as rec:
@@ -262,6 +271,8 @@ def sample(
             # processed: over the nucleus (the drawn logits are z / T there, −inf elsewhere)
             rec_BV = torch.log_softmax(drawn_BV, -1) if truncating and cfg.logprobs == "processed" else logp_BV
             logp_BR[:, t] = torch.where(alive_B, rec_BV.gather(-1, tok_B[:, None]).squeeze(-1), 0.0)
+            if topk:
+                tops.append(top_tokens(rec_BV, tok_B, alive_B, topk))
             if truncating and cfg.keep_sampling_mask:  # rows already done record none
                 keeps.append(torch.isfinite(drawn_BV) & alive_B[:, None])
             entropy_BR[:, t] = torch.where(alive_B, -(logp_BV.exp() * logp_BV).sum(-1), 0.0)
@@ -287,4 +298,16 @@ def sample(
         rec.trace if rec is not None else None,
         texts,
         SamplingSupport.from_steps(keeps, logits_BV.shape[-1]) if keeps else None,
+        topk_ids_BRK=torch.stack([i for i, _ in tops], 1)[:, :steps] if tops else None,
+        topk_logp_BRK=torch.stack([lp for _, lp in tops], 1)[:, :steps] if tops else None,
     )
+
+
+def top_tokens(logp_BV: torch.Tensor, tok_B: torch.Tensor, alive_B: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row and their log-probs, the drawn token in the last slot where it
+    is not among them (verl's vLLM server); rows already done get token 0 at log-prob 0."""
+    logp_BK, ids_BK = logp_BV.topk(k, dim=-1)
+    absent_B = ~(ids_BK == tok_B[:, None]).any(-1)
+    ids_BK[:, -1] = torch.where(absent_B, tok_B, ids_BK[:, -1])
+    logp_BK = logp_BV.gather(-1, ids_BK)
+    return torch.where(alive_B[:, None], ids_BK, 0), torch.where(alive_B[:, None], logp_BK, 0.0)

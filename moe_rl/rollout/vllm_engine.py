@@ -261,6 +261,7 @@ class VllmEngine:
         max_rows: int,
         routers: tuple[int, int],
         checkpoint: str | None = None,
+        topk: int = 0,
     ) -> None:
         """Build the engine from `model`'s weights at `dtype`; `routers` is the policy's (MoE layers,
         experts per layer), which the engine's model must match for its routes to be recorded.
@@ -274,7 +275,7 @@ class VllmEngine:
         require_vllm()
         from vllm import LLM
 
-        self.cfg, self.tokenizer, self.dtype = cfg, tokenizer, dtype
+        self.cfg, self.tokenizer, self.dtype, self.topk = cfg, tokenizer, dtype, topk
         self.vocab_size, self.device = model.config.vocab_size, model.device
         self._owns_dir = checkpoint is None
         self._dir = write_checkpoint(model, tokenizer) if checkpoint is None else checkpoint
@@ -303,6 +304,7 @@ class VllmEngine:
                 max_num_seqs=max(1, max_rows),
                 max_num_batched_tokens=max(4096, model.config.max_position_embeddings),
                 tensor_parallel_size=cfg.tensor_parallel_size,
+                max_logprobs=max(20, topk),  # vLLM's default cap is 20
             )
         except Exception as err:  # vLLM raises many types; the cause is kept on the chain
             self.close()
@@ -406,7 +408,7 @@ class VllmEngine:
                 max_tokens=cfg.max_new_tokens,
                 ignore_eos=cfg.suppress_eos,
                 allowed_token_ids=allowed,
-                logprobs=0,  # the drawn token's only
+                logprobs=self.topk,  # the drawn token's, and the top-k's when asked (vLLM adds the drawn one)
                 seed=_row_seed(seed, row),
                 detokenize=False,
             )
@@ -463,6 +465,8 @@ class VllmEngine:
             self.tokenizer.batch_decode(tokens_BR.masked_fill(~response_mask_BR, pad), skip_special_tokens=True),
         )
         roll.routing = self._trace(roll, row_of, lengths_B)
+        if self.topk:
+            roll.topk_ids_BRK, roll.topk_logp_BRK = top_tokens(completions, R, self.topk)
         return roll
 
     def _trace(self, roll: Rollout, row_of: dict[str, int], lengths_B: torch.Tensor) -> RoutingTrace:
@@ -476,3 +480,20 @@ class VllmEngine:
         ids_BTLK = self.taps.routes(row_of, P - prompt_len_B, prompt_len_B + lengths_B - 1, S - 1, K,
                                     ids_dtype(self.num_experts))
         return RoutingTrace(ids_BTLK, self.num_experts, None, token_digest(roll.input_ids_BS[:, : S - 1]))
+
+
+def top_tokens(completions: list, R: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[B, R, k]` top-k token ids and log-probs from vLLM's per-position `logprobs` dicts (its k best by
+    rank, plus the drawn token when it ranks lower): the k best, the drawn token in the last slot where it
+    is not among them (verl's vLLM server), as the hf engine's `top_tokens`; pads token 0 at 0."""
+    ids_BRK = torch.zeros(len(completions), R, k, dtype=torch.long)
+    logp_BRK = torch.zeros(len(completions), R, k)
+    for b, c in enumerate(completions):
+        for t, (entries, tok) in enumerate(zip(c.logprobs, c.token_ids, strict=True)):
+            ranked = sorted((v.rank, i) for i, v in entries.items() if v.rank is not None and v.rank <= k)[:k]
+            ids = [i for _, i in ranked]
+            if tok not in ids:
+                ids[-1] = tok
+            ids_BRK[b, t] = torch.tensor(ids)
+            logp_BRK[b, t] = torch.tensor([entries[i].logprob for i in ids])
+    return ids_BRK, logp_BRK

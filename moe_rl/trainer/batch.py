@@ -38,6 +38,9 @@ class Batch:
     """The mini-batches, contiguous slices of the rows (`build`); empty for a batch built by hand."""
     perm_B: torch.Tensor | None = None
     """This rank's rows in batch order, as indices into its own rows of the rollout (`build`)."""
+    topk_ids_BRK: torch.Tensor | None = None
+    topk_logp_BRK: torch.Tensor | None = None
+    """The sampler's top-k tokens and log-probs per response position (Rollout.topk_ids_BRK), else None."""
 
     @classmethod
     def build(
@@ -90,4 +93,6 @@ class Batch:
             trace,
             perm_B + row_offset,
             roll.support.rows(perm_B.cpu()) if roll.support is not None else None,
+            topk_ids_BRK=None if roll.topk_ids_BRK is None else roll.topk_ids_BRK[perm_B],
+            topk_logp_BRK=None if roll.topk_logp_BRK is None else roll.topk_logp_BRK[perm_B],
         )

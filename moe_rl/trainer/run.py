@@ -207,13 +207,14 @@ def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws
              sample_gen: torch.Generator, dist: Dist, sharded: bool) -> Sampler:
     """The run's sampler (moe_rl.trainer.samplers): vLLM, a copy at trainer.sampler_dtype, or the policy."""
     t = cfg.trainer
+    topk = cfg.objective.topk if SPECS[cfg.objective.name].needs_topk else 0  # the DPPO top-k divergences
     if cfg.sampler.engine == "vllm":
-        return _stale(cfg, VllmSampler(draws, _vllm_engine(cfg, model, tokenizer, controller, dist)))
+        return _stale(cfg, VllmSampler(draws, _vllm_engine(cfg, model, tokenizer, controller, dist, topk)))
     ro = cfg.rollout
     # A stale sampler records its router logits: the margin prediction of its change (routing/margin/*).
     hf = dict(config=cfg.sampler, generator=sample_gen, record_logits=t.reuse_sampler_logp or ro.staleness > 0,
               record_gates=cfg.routing.replay_gates,
-              all_done=dist.all_done if sharded else None)
+              all_done=dist.all_done if sharded else None, topk=topk)
     if ro.overlap:  # the background thread samples with a copy of its own, at the sampler's dtype
         hf["generator"] = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)
     if ro.overlap or (t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype):
@@ -224,7 +225,7 @@ def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws
     return _stale(cfg, PolicySampler(draws, model, controller, tokenizer, **hf))
 
 
-def _vllm_engine(cfg: Config, model, tokenizer, controller: RoutingController, dist: Dist) -> VllmEngine:
+def _vllm_engine(cfg: Config, model, tokenizer, controller: RoutingController, dist: Dist, topk: int = 0) -> VllmEngine:
     """This rank's vLLM engine. Under torchrun rank 0 writes the checkpoint every engine starts from (the
     others wait for its path). A rank whose engine cannot start exits at once with its error, naming the rank,
     and torchrun then stops the others (they may be waiting inside vLLM's start-up for it)."""
@@ -233,7 +234,7 @@ def _vllm_engine(cfg: Config, model, tokenizer, controller: RoutingController, d
     try:
         return VllmEngine(model, tokenizer, cfg.sampler, dtype=t.sampler_dtype or cfg.model.dtype, seed=cfg.seed,
                           max_rows=t.prompts_per_step * t.group_size,
-                          routers=(controller.num_layers, controller.num_experts), checkpoint=checkpoint)
+                          routers=(controller.num_layers, controller.num_experts), checkpoint=checkpoint, topk=topk)
     except RunError as err:
         if dist.world == 1:
             raise

@@ -138,6 +138,8 @@ class PolicySampler(Stateless):
     """Record the gates too (routing.replay_gates under R3: the update forwards combine with them)."""
     all_done: Callable[[bool], bool] | None = None
     """Under FSDP every forward is a collective: ranks stop decoding together (Dist.all_done)."""
+    topk: int = 0
+    """Record each position's top-k tokens and log-probs (the DPPO top-k divergences); 0 = none."""
 
     def rollout(self, task: Task, step: int, shard: Shard) -> tuple[Rollout, Scores]:
         examples_B, grouped, rows = self.draws.prompts(task, step, shard)
@@ -154,6 +156,7 @@ class PolicySampler(Stateless):
             all_done=self.all_done,
             record_logits=self.record_logits,
             record_gates=self.record_gates,
+            topk=self.topk,
         )
         return roll, score(task, examples_B[rows], roll)
 

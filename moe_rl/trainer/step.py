@@ -40,8 +40,9 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl import reduction as S
-from moe_rl.config import Config, ObjectiveConfig
-from moe_rl.objectives import OBJECTIVES, ObjectiveInputs
+from moe_rl.config import Config
+from moe_rl.objectives import OBJECTIVES, ObjectiveInputs, TopK
+from moe_rl.objectives.config import ObjectiveConfig
 from moe_rl.objectives.common import length_bins, length_sums
 from moe_rl.objectives.router_shift import router_shift_ratio
 from moe_rl.rollout import response_logprobs, response_logprobs_and_aux
@@ -50,6 +51,7 @@ from moe_rl.tasks import Task
 from moe_rl.trainer.batch import Batch
 from moe_rl.trainer.collapse import CollapseDetector
 from moe_rl.trainer.distributed import Dist
+from moe_rl.trainer.ess_scale import ess_factor, scaled_lr
 from moe_rl.trainer.plan import RoutingPlan
 from moe_rl.trainer.reduce import (
     Counts,
@@ -62,6 +64,7 @@ from moe_rl.trainer.reduce import (
 from moe_rl.trainer.samplers import Sampler, Shard, chat_prompt
 from moe_rl.trainer.step_metrics import (
     minibatch_overlap,
+    mismatch_metrics,
     response_margins,
     routing_metrics,
     staleness_metrics,
@@ -115,36 +118,17 @@ class StepContext:
 
 @dataclass(frozen=True)
 class ObjectiveSettings:
-    """The configured objective and the options it is called with on every mini-batch (read once)."""
+    """The configured objective, handed its config whole, and what the trainer adds on every mini-batch."""
 
-    name: str
-    options: dict
+    cfg: ObjectiveConfig
+    max_len: int
+    """sampler.max_new_tokens, the constant of seq-mean-token-sum-norm."""
+    mismatch: bool
+    """Log the sampler-mismatch diagnostics (a sampler at another precision, vLLM, or a stale one)."""
 
     @classmethod
     def of(cls, cfg: Config, mismatch: bool) -> ObjectiveSettings:
-        """`mismatch`: log the sampler-mismatch diagnostics (a sampler at another precision, or vLLM)."""
-        o: ObjectiveConfig = cfg.objective
-        return cls(
-            o.name,
-            dict(
-                clip_low=o.clip_low,
-                clip_high=o.clip_high,
-                loss_agg=o.loss_agg,
-                max_len=cfg.sampler.max_new_tokens,
-                beta=o.beta,
-                extreme_band=tuple(o.extreme_band),
-                kl_estimator=o.kl_estimator,
-                clip_ratio_c=o.clip_ratio_c,
-                rollout_is=o.rollout_is,
-                rollout_is_cap=o.rollout_is_cap,
-                extreme_weight_band=tuple(o.extreme_weight_band),
-                rollout_is_band=tuple(o.rollout_is_band),
-                mismatch_diagnostics=mismatch,
-                tau_pos=o.tau_pos,
-                tau_neg=o.tau_neg,
-                opsm_delta=o.opsm_delta,
-            ),
-        )
+        return cls(cfg.objective, cfg.sampler.max_new_tokens, mismatch)
 
     def __call__(
         self,
@@ -156,13 +140,14 @@ class ObjectiveSettings:
         ref_logp: torch.Tensor | None,
         sampler_logp: torch.Tensor,
         router_shift: torch.Tensor | None,
+        topk: TopK | None = None,
     ) -> tuple[torch.Tensor, S.Stats]:
         """The objective's (loss, stats) on one mini-batch: the one registry lookup."""
         inputs = ObjectiveInputs(
-            logp_bR, old_logp_bR, adv_b, mask_bR, ref_logp=ref_logp, sampler_logp=sampler_logp,
-            router_shift=router_shift, **self.options,
+            logp_bR, old_logp_bR, adv_b, mask_bR, cfg=self.cfg, max_len=self.max_len, ref_logp=ref_logp,
+            sampler_logp=sampler_logp, mismatch_diagnostics=self.mismatch, router_shift=router_shift, topk=topk,
         )
-        return OBJECTIVES[self.name].compute(inputs)
+        return OBJECTIVES[self.cfg.name].compute(inputs)
 
 
 @dataclass
@@ -239,8 +224,10 @@ def update(
         ctx.controller.record(with_logits=j == 1 or cfg.objective.router_shift) as rec,
         plan.update(j, sl, old_trace) as drift,
     ):
-        logp_bR, aux_loss = response_logprobs_and_aux(
-            ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0, support=batch.support_of(sl)
+        topk_ids = None if batch.topk_ids_BRK is None else batch.topk_ids_BRK[sl]
+        logp_bR, aux_loss, topk_logp = response_logprobs_and_aux(
+            ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0, support=batch.support_of(sl),
+            topk_ids_BRK=topk_ids,
         )
     change = routing_change(batch, sl, rec.trace, old_trace, drift, ctx.controller.num_layers, plan.measures_drift())
     ref_logp = None
@@ -256,9 +243,10 @@ def update(
             batch.response_mask_BR[sl],
             cfg.objective.router_shift_floor,
         )
+    top = None if topk_logp is None else TopK(batch.topk_logp_BRK[sl], topk_logp)
     loss, metrics = ctx.objective(
         logp_bR, old_logp_bR, batch.adv_B[sl], batch.response_mask_BR[sl],
-        ref_logp=ref_logp, sampler_logp=batch.sampler_logp_BR[sl], router_shift=shift_bR,
+        ref_logp=ref_logp, sampler_logp=batch.sampler_logp_BR[sl], router_shift=shift_bR, topk=top,
     )
     metrics.update(shift_stats)
     if j > 0:  # the first mini-batch is on-policy: every ratio is 1 there
@@ -269,14 +257,20 @@ def update(
         metrics["train/aux_loss"] = S.scalar(aux_loss.item())
     loss = loss * loss_scale
     metrics["train/loss"] = S.scalar(loss.item())
-    metrics.update(grad_metrics(optimizer_step(ctx, plan, loss, j), cfg.trainer.grad_clip))
+    lr_factor = 1.0
+    if cfg.trainer.ess_step_scale != "off":  # VCPO: this step's lr by the mini-batch's ESS (ess_scale.py)
+        lr_factor = ess_factor(old_logp_bR, batch.sampler_logp_BR[sl], batch.response_mask_BR[sl],
+                               cfg.trainer.ess_step_scale, ctx.dist)
+        metrics["train/ess_lr_factor"] = S.scalar(lr_factor)
+    metrics.update(grad_metrics(optimizer_step(ctx, plan, loss, j, lr_factor), cfg.trainer.grad_clip))
     return MinibatchResult(S.to_floats(metrics), change, Counts.of(batch, sl))
 
 
-def optimizer_step(ctx: StepContext, plan: RoutingPlan, loss: torch.Tensor, j: int) -> float:
-    """Backward, clip and step; returns the gradient norm (nan when the loss was not finite). A non-finite
-    loss or gradient norm skips the update and is noted with the collapse detector. After a step, the
-    plan's router-weight noise (routing.weight_noise)."""
+def optimizer_step(ctx: StepContext, plan: RoutingPlan, loss: torch.Tensor, j: int, lr_factor: float = 1.0) -> float:
+    """Backward, clip and step (at every group's lr times `lr_factor`, restored after it: ess_scale.py);
+    returns the gradient norm (nan when the loss was not finite). A non-finite loss or gradient norm skips
+    the update and is noted with the collapse detector. After a step, the plan's router-weight noise
+    (routing.weight_noise)."""
     # Every rank must skip or take the update alike (a backward is a collective): decide on the sum.
     loss_sum = ctx.dist.sum([loss.item()])[0]
     if not math.isfinite(loss_sum):
@@ -287,7 +281,8 @@ def optimizer_step(ctx: StepContext, plan: RoutingPlan, loss: torch.Tensor, j: i
     norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), math.inf if clip is None else clip)
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     if math.isfinite(grad_norm):
-        ctx.optimizer.step()
+        with scaled_lr(ctx.optimizer, lr_factor):
+            ctx.optimizer.step()
         plan.after_update(ctx.optimizer, j)
     else:
         ctx.detector.nonfinite(plan.step, grad_norm, "train/grad_norm")
@@ -352,6 +347,8 @@ def step_record(
     old_trace = old.trace
     local = routing_metrics(batch, old_trace, old.logp_BR, plan.replay_cache_bytes(old_trace))
     local.update(minibatch_overlap(batch, batch.perm_B // t.group_size, batch.minibatches))
+    local.update(mismatch_metrics(old.logp_BR, batch.sampler_logp_BR, roll.entropy_BR[batch.perm_B],
+                                  batch.response_mask_BR))
     sampler_shift = None
     if roll.version is not None:  # a stale sampler's rollout (rollout.staleness)
         stale, sampler_shift = staleness_metrics(batch, old_trace, response_positions(batch, slice(None)),

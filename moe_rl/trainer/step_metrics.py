@@ -124,6 +124,41 @@ def routing_metrics(
     return out
 
 
+@torch.no_grad()
+def mismatch_metrics(
+    trainer_logp_BR: torch.Tensor, sampler_logp_BR: torch.Tensor, entropy_BR: torch.Tensor, mask_BR: torch.Tensor
+) -> S.Stats:
+    """The field's trainer-sampler health metrics on the sampled tokens, float64, each a sum and a count so
+    they pool exactly over ranks. Δ = log π_train − log π_sampler, π_train the old-policy forward's
+    log-probs (the trainer at the sampling step's weights, or the proximal policy under staleness):
+
+    | key | per token | reference |
+    |---|---|---|
+    | `mismatch/k3_kl` | e^Δ − Δ − 1 (KL(μ ‖ π_train) on samples from μ) | prime-rl mismatch_kl |
+    | `mismatch/kl_ent_ratio` | Σ k3 / Σ H, H the sampled position's entropy | prime-rl kl_ent_ratio |
+    | `mismatch/extreme_frac` | [\|Δ\| > ln 2] (the ratio outside [1/2, 2]) | AReaL-style extreme tokens |
+    | `mismatch/token_mult_prob_error` | e^{\|Δ\|} (1 = no mismatch) | NeMo-RL, its R3 gate |
+    | `mismatch/js_divergence` | ½(e^a − a − 1) + ½(e^b − b − 1), a = log π_train − log m, b = log μ − log m, m = ½(π_train + μ) | NeMo-RL js_divergence_error |
+
+    H is the sampler's entropy of softmax(logits / T) at each sampled position (Rollout.entropy_BR):
+    prime-rl divides by the trainer's entropy at the same position, which differs from it by the same
+    mismatch the numerator measures."""
+    m = mask_BR.bool()
+    a_N, b_N = trainer_logp_BR[m].double(), sampler_logp_BR[m].double()
+    d_N = a_N - b_N
+    k3_N = d_N.exp() - d_N - 1
+    log_mix_N = torch.logaddexp(a_N, b_N) - math.log(2)
+    x_N, y_N = a_N - log_mix_N, b_N - log_mix_N
+    js_N = 0.5 * (x_N.exp() - x_N - 1) + 0.5 * (y_N.exp() - y_N - 1)
+    return {
+        "mismatch/k3_kl": S.mean(k3_N),
+        "mismatch/kl_ent_ratio": S.ratio(k3_N.sum(), entropy_BR[m].double().sum()),
+        "mismatch/extreme_frac": S.mean(d_N.abs() > math.log(2)),
+        "mismatch/token_mult_prob_error": S.mean(d_N.abs().exp()),
+        "mismatch/js_divergence": S.mean(js_N),
+    }
+
+
 def staleness_metrics(
     batch: Batch, old_trace: RoutingTrace, response_BS1: torch.Tensor, staleness: int
 ) -> tuple[S.Stats, tuple[float, float] | None]:

@@ -137,7 +137,7 @@ def test_weight_share_and_sign_extremes_reduce_exactly_over_ranks_and_minibatche
     rows pooled (a ratio of sums, not a mean of shares) and the pooled per-sign ratio extremes, even where
     one rank has no token of a sign (NaN there)."""
     from moe_rl import reduction as S
-    from moe_rl.objectives import OBJECTIVES, ObjectiveInputs
+    from moe_rl.objectives import OBJECTIVES
     from moe_rl.objectives.common import extreme_weight_share
     from moe_rl.trainer.step_metrics import over_minibatches, ratio_extremes
     from tests.helpers.dp_weight_share_worker import CLIP, rows, weight_batch
@@ -148,7 +148,7 @@ def test_weight_share_and_sign_extremes_reduce_exactly_over_ranks_and_minibatche
         ms, stats = [], []
         for rank in range(2):
             sl = rows(j, rank, 2)
-            _, st = OBJECTIVES[name].compute(ObjectiveInputs(logp_BT[sl], old_BT[sl], adv_B[sl], mask_BT[sl], **CLIP))
+            _, st = OBJECTIVES[name].compute(OBJECTIVES[name].inputs(logp_BT[sl], old_BT[sl], adv_B[sl], mask_BT[sl], **CLIP))
             stats.append(S.to_floats(st))
             ms.append(S.values(st))
             shares.append(extreme_weight_share(ms[-1])["policy/extreme_weight_share"])

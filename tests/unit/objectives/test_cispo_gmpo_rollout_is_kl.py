@@ -18,8 +18,14 @@ from torch.testing import assert_close
 from moe_rl.objectives import OBJECTIVES, SPECS
 from moe_rl.objectives.common import KL_ESTIMATORS, ROLLOUT_IS_MODES
 
-NAMES = sorted(OBJECTIVES)
+NAMES = sorted(n for n in OBJECTIVES if n not in ("dppo_kl", "dppo_topk_tv", "dppo_topk_kl"))
+"""dppo_kl reads probabilities (log-probs above 0 here are outside its domain) and the top-k variants need
+the sampler's top-k: test_rival_objectives.py tests them on inputs they are defined on."""
+DELTA, CAP_C = (0.15, 0.15), 20.0  # DPPO's defaults (δ_low, δ_high, C), which `call` leaves as they are
 CLIP = {
+    "luspo": (0.03, 0.04),
+    "vespo": (0.2, 0.28),  # not read: VESPO has no hard clip
+    "dppo_tv": (0.2, 0.28),  # not read: DPPO's trust region is δ on the divergence
     "grpo": (0.2, 0.28),
     "gspo": (0.03, 0.04),
     "gspo_token": (0.03, 0.04),
@@ -145,6 +151,24 @@ def ref_loss(
             sg = float(torch.sign(a))
             logs = [sg * torch.min(sg * dt, sg * torch.clamp(dt, -lo, hi)) for dt in d]
             per_seq.append(-torch.exp(sum(logs) / len(ts)) * a * mean_w)
+        elif name == "luspo":  # LUSPO: GSPO's term times |y_i|
+            per_seq.append(ppo_term(torch.exp(sum(d) / len(ts)), a, lo, hi, c) * len(ts) * mean_w)
+        elif name == "vespo":  # VESPO: φ(w) = w^k e^{λ(1−w)}, w the product ratio with ω folded in (log space)
+            floor = math.log(1e-8)
+            log_w = sum(clamp(dt.item()) for dt in d)
+            log_w += sum(max(floor, min(BOUND, math.log(w[i, t][1]) if w[i, t][1] > 0 else -math.inf)) for t in ts)
+            log_w = max(floor, min(BOUND, log_w))
+            k, lam = (2.0, 3.0) if a >= 0 else (3.0, 2.0)
+            phi = math.exp(k * log_w) * math.exp(lam * (1 - math.exp(log_w)))
+            per_row.append([-phi * a * logp[i, t] for t in ts])  # ω is inside φ, not multiplied again
+        elif name == "dppo_tv":  # DPPO binary TV: drop where p − p_old leaves δ in Â's direction
+            terms = []
+            for dt, t in zip(d, ts, strict=True):
+                shift = math.exp(logp[i, t].item()) - math.exp(old[i, t].item())
+                drop = shift > DELTA[1] if a > 0 else shift < -DELTA[0]
+                weight = min(math.exp(clamp(dt.item())), CAP_C)
+                terms.append(-a * weight * (not drop) * logp[i, t] * w[i, t][1])
+            per_row.append(terms)
     if per_seq:
         return sum(per_seq) / len(per_seq)
     return agg(per_row, loss_agg, max_len)
@@ -293,9 +317,13 @@ def test_dual_clip_changes_nothing_when_no_ratio_exceeds_c(name):
 # --- rollout importance-sampling correction ----------------------------------------------------------
 
 
+def is_cases(modes=IS_MODES):
+    """(name, mode) pairs: VESPO folds token-level corrections only (as TRL)."""
+    return [(n, m) for n in NAMES for m in modes if n != "vespo" or m in ("token_truncate", "token_mask")]
+
+
 @pytest.mark.parametrize("gap", sorted(GAPS))
-@pytest.mark.parametrize("mode", IS_MODES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("name", "mode"), is_cases())
 def test_rollout_is_matches_reference(name, mode, gap):
     """Every objective times the TIS/MIS weight matches the reference in value, gradient and rollout_is/*."""
     sampler_gap = GAPS[gap] if mode.startswith("token") else GAPS[gap] / 3  # sequences sum their gaps
@@ -326,8 +354,7 @@ def test_rollout_is_matches_reference(name, mode, gap):
         assert 0 < metrics[frac_key] < 1  # the truncation or mask is exercised, not everywhere
 
 
-@pytest.mark.parametrize("mode", IS_MODES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("name", "mode"), is_cases())
 def test_rollout_is_with_sampler_equal_to_old_changes_nothing(name, mode):
     """When the sampler's log-probs are the old policy's, every weight is 1: loss as with rollout_is=none."""
     logp, old, adv, mask, _, _ = make_batch(seed=10)
@@ -346,7 +373,7 @@ def test_rollout_is_extreme_sampler_gap_stays_finite(mode, sign):
     sampler = torch.where(mask, sampler, 0.0)
     sampler[2, :] += sign * 1e4
     sampler[4:, 3] += sign * 1e4
-    for name in NAMES:
+    for name in (n for n, m in is_cases([mode])):
         loss, metrics = call(name, logp, old, adv, mask, sampler_logp=sampler, rollout_is=mode)
         assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, logp)).all()
         assert all(math.isfinite(v) for v in metrics.values())

@@ -88,10 +88,15 @@ def trl_is_weight(old_BT, sampler_BT, mask_BT, mode):
         ("sapo", "token_truncate", "sequence", None),
         ("grpo", "none", "token", 0.05),  # off-policy sequence masking (TRL off_policy_mask_threshold)
         ("sapo", "token_mask", "token", 0.05),
+        ("vespo", "none", "token", None),  # issue 53: VESPO, its token corrections folded into log w
+        ("vespo", "token_truncate", "token", None),
+        ("vespo", "token_mask", "token", None),
+        ("luspo", "none", "sequence", None),  # LUSPO at TRL's recommended sequence level
+        ("luspo", "token_truncate", "sequence", None),
     ],
 )
 def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode, level, opsm):
-    """moe-rl's cispo/grpo/sapo with rollout_is=mode (and opsm_delta) equal TRL's loss_type with that IS
+    """moe-rl's cispo/grpo/sapo/vespo/luspo with rollout_is=mode (and opsm_delta) equal TRL's loss_type with that IS
     mode, importance_sampling_level and off_policy_mask_threshold: value and gradients."""
     trainer = trl_trainer(tmp_path, loss_type, mode, level, opsm)
     model = trainer.model
@@ -137,7 +142,7 @@ def test_loss_and_gradients_match_trl(tmp_path, loss_type, mode, level, opsm):
         adv_B,
         mask_BR.bool(),
         **clip,
-        loss_agg="token-mean" if loss_type == "cispo" else "seq-mean-token-mean",
+        loss_agg="token-mean" if loss_type in ("cispo", "vespo") else "seq-mean-token-mean",
         sampler_logp=sampler_BR if mode != "none" or opsm is None else None,
         rollout_is=mode,
         rollout_is_cap=CAP,
