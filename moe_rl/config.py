@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from moe_rl.models.config import DTYPES, ModelConfig
-from moe_rl.objectives import validate_config
+from moe_rl.objectives import SPECS, validate_config
 from moe_rl.objectives.config import ObjectiveConfig
 from moe_rl.rollout.sampler import SamplerConfig
 from moe_rl.tasks.config import DATASET, TaskConfig
@@ -74,6 +74,16 @@ class RoutingConfig:
     router's softmax over them (prime-rl's "total router recall" draft). The update forward then reproduces
     the recorded forward's mixture exactly, and the loss sends the routers no gradient (only the
     load-balancing loss, model.router_aux_loss_coef, trains them). False (default): ids only, gates live."""
+    replay_score_ratio: float = 0.0
+    """Partial replay (prime-rl's score-threshold router replay, PR #2703), ratio in [0, 1]: a replayed expert
+    is kept only if the trainer router's own score for it (its softmax over the experts) is >= ratio x the
+    weakest score in the trainer's own top-k; a rejected slot is refilled, in rank order, from the trainer's
+    own top-k, never duplicating an expert (moe_rl.routing.partial). Logged as routing/replay_replace_rate.
+    0 (default): plain replay. Needs routing.replay=old or rollout, and live gates (replay_gates=false)."""
+    freeze_router: bool = False
+    """Keep every router's weights fixed for the whole run (no gradient, no optimizer update, not even from
+    the load-balancing loss). With routing.replay_gates=true this is prime-rl's "total router recall"
+    exactly: replayed ids, replayed gates, router frozen. Needs routing.replay_gates=true."""
     weight_noise: float = 0.0
     """Persistent alternative, σ_w >= 0: after each optimizer step every router's weight matrix gets
     N(0, σ_w²) added element-wise (seeded from (seed, step, mini-batch)), so the perturbation is part of
@@ -95,6 +105,23 @@ class RoutingConfig:
             raise ValueError(
                 "routing.replay_gates=true replays recorded gates with the replayed experts, so it needs "
                 "routing.replay=old or rollout"
+            )
+        if not 0 <= self.replay_score_ratio <= 1:
+            raise ValueError(f"routing.replay_score_ratio={self.replay_score_ratio}: must be in [0, 1]")
+        if self.replay_score_ratio and self.replay == "off":
+            raise ValueError(
+                f"routing.replay_score_ratio={self.replay_score_ratio} filters replayed experts, so it needs "
+                "routing.replay=old or rollout"
+            )
+        if self.replay_score_ratio and self.replay_gates:
+            raise ValueError(
+                f"routing.replay_score_ratio={self.replay_score_ratio} refills rejected slots from the live router, "
+                "which has no recorded gate for them: set routing.replay_gates=false or replay_score_ratio=0"
+            )
+        if self.freeze_router and not self.replay_gates:
+            raise ValueError(
+                "routing.freeze_router=true is total router recall with routing.replay_gates=true (replayed ids "
+                "and gates, router fixed): set routing.replay_gates=true (and routing.replay=old or rollout)"
             )
         if self.noise_growth not in NOISE_GROWTH:
             raise ValueError(f"routing.noise_growth={self.noise_growth!r}: expected one of {NOISE_GROWTH}")
@@ -568,6 +595,12 @@ class Config:
         self._validate_sampler_reuse()
         self._validate_router_dtype()
         self._validate_staleness()
+        if SPECS[self.objective.name].needs_topk and self.sampler.keep_sampling_mask:
+            raise ValueError(
+                f"sampler.keep_sampling_mask=true renormalises π over the top-p support, and objective="
+                f"{self.objective.name}'s top-k divergence reads the policy over the whole vocabulary: set "
+                "sampler.keep_sampling_mask=false"
+            )
         if self.task.chat_template and self.warmstart.enabled:
             raise ValueError(
                 "task.chat_template=true needs warmstart.enabled=false: the warm start trains on plain prompts"

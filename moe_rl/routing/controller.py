@@ -46,6 +46,7 @@ from torch import nn
 
 from moe_rl.errors import RunError
 from moe_rl.routing.noise import LogitNoise
+from moe_rl.routing.partial import partial_replay
 from moe_rl.routing.trace import RoutingTrace, ids_dtype, token_digest
 
 # Shape legend: B rows, T tokens per row, N = B*T flattened tokens, K top-k, E experts, L layers.
@@ -207,10 +208,14 @@ class Drift:
 
 
 class _Replayer:
-    """Hands out, layer by layer, the next `T` time steps of a trace."""
+    """Hands out, layer by layer, the next `T` time steps of a trace; with `score_ratio` > 0, filters them
+    by the live router (partial replay, moe_rl.routing.partial) and keeps which slots it replaced."""
 
-    def __init__(self, trace: RoutingTrace, num_layers: int, top_k: int, sees_tokens: bool, gates: bool = False) -> None:
+    def __init__(self, trace: RoutingTrace, num_layers: int, top_k: int, sees_tokens: bool, gates: bool = False,
+                 score_ratio: float = 0.0) -> None:
         B, T, L, K = trace.shape
+        self.score_ratio = score_ratio
+        self._replaced: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         if gates and trace.gates_BTLK is None:
             raise RoutingReplayError(
                 "a replay of the gates (routing.replay_gates) needs a trace recorded with its gates; this one has none"
@@ -276,6 +281,24 @@ class _Replayer:
             return None
         start = self.cursor[layer] - T
         return self.trace.gates_BTLK[:, start : start + T, layer].to(device).reshape(B * T, -1)
+
+    def filter(self, layer: int, logits_NE: torch.Tensor, replayed_NK: torch.Tensor, own_NK: torch.Tensor, B: int,
+               T: int) -> torch.Tensor:
+        """The experts used at `layer`: the replayed ones, or under partial replay those the live router
+        keeps, refilled from its own top-k (`own_NK`)."""
+        if not self.score_ratio:
+            return replayed_NK
+        scores_NE = torch.softmax(logits_NE.detach().float(), dim=-1)
+        ids_NK, replaced_NK = partial_replay(scores_NE, replayed_NK, own_NK.to(replayed_NK), self.score_ratio)
+        self._replaced[layer].append(replaced_NK.sum(-1).reshape(B, T).cpu())
+        return ids_NK
+
+    @property
+    def replaced_BTL(self) -> torch.Tensor:
+        """`[B, T, L]` replayed slots the partial replay replaced at each position and layer (0..K)."""
+        if not self._replaced[0]:
+            raise RuntimeError("no forward ran under partial replay (routing.replay_score_ratio > 0)")
+        return torch.stack([torch.cat(chunks, dim=1) for chunks in self._replaced], dim=2)
 
     def check_consumed(self) -> None:
         tT = self.trace.shape[1]
@@ -393,7 +416,9 @@ class RoutingController:
                 if self._replayer is None:
                     ids_NK = drifted_NK
                 else:
-                    ids_NK = self._replayer.next_ids(layer, B, T, logits_NE.device)
+                    replayed_NK = self._replayer.next_ids(layer, B, T, logits_NE.device)
+                    own_NK = ids_NK if drifted_NK is None else drifted_NK
+                    ids_NK = self._replayer.filter(layer, logits_NE, replayed_NK, own_NK, B, T)
                     recorded_gates = self._replayer.gates_of(layer, B, T, logits_NE.device)
                 self._last_replayed[layer] = ids_NK
                 self._last_gates[layer] = recorded_gates
@@ -456,18 +481,22 @@ class RoutingController:
             self._noise = None
 
     @contextlib.contextmanager
-    def replay(self, trace: RoutingTrace, gates: bool = False) -> Iterator[None]:
+    def replay(self, trace: RoutingTrace, gates: bool = False, score_ratio: float = 0.0) -> Iterator[_Replayer]:
         """Route every forward inside the block by `trace`; the forwards must use all of it. With `gates`,
         combine the experts with the trace's recorded gates instead of the live router's (which then gets
-        no gradient from the loss): prime-rl's "total router recall"."""
+        no gradient from the loss): prime-rl's "total router recall". With `score_ratio` > 0, partial
+        replay (moe_rl.routing.partial): a replayed expert the live router rates below ratio x its weakest
+        own top-k score is replaced from its own top-k; the yielded replayer's `replaced_BTL` counts them."""
         if self._replayer is not None:
             raise RuntimeError("replay() is already open on this model")
         if trace is None:
             raise RoutingReplayError("replay() needs a trace; got None")
-        self._replayer = _Replayer(trace, self.num_layers, self.top_k, self.sees_tokens, gates)
+        if score_ratio and gates:
+            raise ValueError("partial replay refills slots from the live router, which has no recorded gates")
+        self._replayer = _Replayer(trace, self.num_layers, self.top_k, self.sees_tokens, gates, score_ratio)
         ok = False
         try:
-            yield
+            yield self._replayer
             ok = True
         finally:
             replayer, self._replayer = self._replayer, None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,15 @@ if TYPE_CHECKING:
     from moe_rl.config import RoutingConfig
     from moe_rl.routing import RoutingController
     from moe_rl.trainer.batch import Batch
+
+
+@dataclass
+class UpdateRouting:
+    """What an update forward ran under: its drift context and its replay (each None when off)."""
+
+    drift: Drift | None = None
+    replay: Any = None
+    """The controller's replayer (`replaced_BTL` under partial replay)."""
 
 
 def perturbs(r: RoutingConfig) -> bool:
@@ -78,25 +87,32 @@ class RoutingPlan:
         perturbs it (the same ε as every update forward of these rows)."""
         with contextlib.ExitStack() as stack:
             if self.routing.replay == "rollout":
-                stack.enter_context(self.controller.replay(self.sampler_trace(sl), self.routing.replay_gates))
+                stack.enter_context(self.controller.replay(self.sampler_trace(sl), self.routing.replay_gates,
+                                                           self.routing.replay_score_ratio))
             stack.enter_context(self._noising(sl, "old"))
             yield
 
     @contextlib.contextmanager
-    def update(self, j: int, sl: slice, old_trace: RoutingTrace) -> Iterator[Drift | None]:
+    def update(self, j: int, sl: slice, old_trace: RoutingTrace) -> Iterator[UpdateRouting]:
         """The update forward of mini-batch j (0-based) over rows `sl`: replay (R2: `old_trace`, R3: the
-        sampler's), drift and logit noise as the table says; yields the drift context it ran under, or None."""
+        sampler's), drift and logit noise as the table says; yields what it ran under (`UpdateRouting`)."""
         with contextlib.ExitStack() as stack:
-            replay = {"off": lambda: None, "old": lambda: old_trace, "rollout": lambda: self.sampler_trace(sl)}[
+            trace = {"off": lambda: None, "old": lambda: old_trace, "rollout": lambda: self.sampler_trace(sl)}[
                 self.routing.replay
             ]()
-            if replay is not None:
-                stack.enter_context(self.controller.replay(replay, self.routing.replay_gates))
-            drift = None
+            used = UpdateRouting()
+            if trace is not None:
+                used.replay = stack.enter_context(self.controller.replay(trace, self.routing.replay_gates,
+                                                                         self.routing.replay_score_ratio))
             if self.drifts(j):
-                drift = stack.enter_context(self.controller.drift(self.routing.drift, _generator(self.seed, self.step, j)))
+                used.drift = stack.enter_context(self.controller.drift(self.routing.drift,
+                                                                       _generator(self.seed, self.step, j)))
             stack.enter_context(self._noising(sl, "update", j))
-            yield drift
+            yield used
+
+    def partial(self) -> bool:
+        """Whether the replay is partial (routing.replay_score_ratio > 0): the step logs its replace rate."""
+        return self.replays and self.routing.replay_score_ratio > 0
 
     def drifts(self, j: int) -> bool:
         """Whether update forward j drifts: p > 0, replay off (replay wins), j + 1 >= drift_from_minibatch."""

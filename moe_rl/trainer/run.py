@@ -153,6 +153,9 @@ def build_context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, d
         model.to(torch.device(t.device))
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.objective.beta > 0 else None
     controller = RoutingController(model)
+    if cfg.routing.freeze_router:  # total router recall: the routers never change (before DDP and the optimizer)
+        for router in controller.routers:
+            router.requires_grad_(False)
     sample_gen = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)
     prompt = functools.partial(chat_prompt, tokenizer) if cfg.task.chat_template else (lambda text: text)
     draws = Draws(cfg.seed, t.prompts_per_step, t.group_size, prompt)

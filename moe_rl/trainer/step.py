@@ -65,6 +65,7 @@ from moe_rl.trainer.samplers import Sampler, Shard, chat_prompt
 from moe_rl.trainer.step_metrics import (
     minibatch_overlap,
     mismatch_metrics,
+    replace_rate,
     response_margins,
     routing_metrics,
     staleness_metrics,
@@ -222,14 +223,15 @@ def update(
     with (
         # mini-batch 2's logit shift; every mini-batch's under RSPO
         ctx.controller.record(with_logits=j == 1 or cfg.objective.router_shift) as rec,
-        plan.update(j, sl, old_trace) as drift,
+        plan.update(j, sl, old_trace) as used,
     ):
         topk_ids = None if batch.topk_ids_BRK is None else batch.topk_ids_BRK[sl]
         logp_bR, aux_loss, topk_logp = response_logprobs_and_aux(
             ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0, support=batch.support_of(sl),
             topk_ids_BRK=topk_ids,
         )
-    change = routing_change(batch, sl, rec.trace, old_trace, drift, ctx.controller.num_layers, plan.measures_drift())
+    change = routing_change(batch, sl, rec.trace, old_trace, used.drift, ctx.controller.num_layers,
+                            plan.measures_drift())
     ref_logp = None
     if ctx.ref_model is not None:
         with torch.no_grad():
@@ -249,6 +251,8 @@ def update(
         ref_logp=ref_logp, sampler_logp=batch.sampler_logp_BR[sl], router_shift=shift_bR, topk=top,
     )
     metrics.update(shift_stats)
+    if plan.partial():  # replaced over replayed slots at valid positions, pooled and per layer
+        metrics.update(replace_rate(used.replay.replaced_BTL, batch.valid_BS1[sl].cpu(), ctx.controller.top_k))
     if j > 0:  # the first mini-batch is on-policy: every ratio is 1 there
         bins = length_bins(cfg.sampler.max_new_tokens)
         change.length = length_sums(logp_bR, old_logp_bR, batch.response_mask_BR[sl], bins).flatten().tolist()

@@ -159,6 +159,18 @@ def mismatch_metrics(
     }
 
 
+def replace_rate(replaced_BTL: torch.Tensor, valid_BT: torch.Tensor, top_k: int) -> S.Stats:
+    """`routing/replay_replace_rate` (pooled over layers) and `.../layer_{i}`: replayed slots the partial
+    replay replaced over the replayed slots (valid positions x K), each a sum and a count (prime-rl's
+    router_replay_replace_rate, which averages its per-layer rates)."""
+    at_NL = replaced_BTL[valid_BT].double()
+    slots = float(at_NL.shape[0] * top_k)
+    out = {"routing/replay_replace_rate": S.ratio(at_NL.sum(), at_NL.new_tensor(slots * at_NL.shape[1]))}
+    out.update({f"routing/replay_replace_rate/layer_{i}": S.ratio(at_NL[:, i].sum(), at_NL.new_tensor(slots))
+                for i in range(at_NL.shape[1])})
+    return out
+
+
 def staleness_metrics(
     batch: Batch, old_trace: RoutingTrace, response_BS1: torch.Tensor, staleness: int
 ) -> tuple[S.Stats, tuple[float, float] | None]:

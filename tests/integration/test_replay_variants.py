@@ -30,15 +30,52 @@ def test_replayed_gates_leave_the_routers_to_the_aux_loss(preset, warm_overrides
         assert metrics["ratio/token/max"] >= 1.0
 
 
+def test_frozen_router_with_replayed_gates_is_total_router_recall(warm_overrides):
+    """routing.freeze_router under replay_gates: even with a load-balancing loss, which alone trains the
+    routers under replayed gates, an RL step leaves every router weight bitwise unchanged (prime-rl's total
+    router recall); without freezing, the aux loss moves them."""
+    base = [*TINY, *warm_overrides, "objective=grpo_r3", "trainer.lr=1e-2", "trainer.warmup_steps=0",
+            "model.router_aux_loss_coef=0.01", "routing.replay_gates=true"]
+    for frozen in (True, False):
+        ctx, _ = build_context(compose_config([*base, f"routing.freeze_router={str(frozen).lower()}"]))
+        before = _routers(ctx)
+        rl_step(ctx, 0)
+        assert all(torch.equal(a, b) for a, b in zip(before, _routers(ctx), strict=True)) is frozen, frozen
+
+
+def test_partial_replay_logs_its_replace_rate_per_layer(warm_overrides):
+    """routing.replay_score_ratio under R2 logs routing/replay_replace_rate, pooled (the mean of equal-sized
+    layers) and per layer; a ratio of 1 under a fast-moving router replaces some slots, not all."""
+    ctx, _ = build_context(compose_config([*TINY, *warm_overrides, "objective=grpo_rr", "trainer.lr=3e-2",
+                                           "trainer.warmup_steps=0", "routing.replay_score_ratio=1.0"]))
+    metrics = {}
+    for step in range(2):
+        metrics = rl_step(ctx, step)
+    layers = [k for k in metrics if k.startswith("routing/replay_replace_rate/layer_")]
+    assert len(layers) == ctx.controller.num_layers
+    assert 0 < metrics["routing/replay_replace_rate"] < 1
+    assert metrics["routing/replay_replace_rate"] == pytest.approx(sum(metrics[k] for k in layers) / len(layers))
+
+
 @pytest.mark.parametrize(
     ("overrides", "field_"),
     [
         (["routing.replay_gates=true"], "routing.replay=old or rollout"),
         (["routing.replay_gates=true", "objective=grpo_r3", "sampler.engine=vllm"], "routing.replay_gates=false"),
+        (["objective=grpo_rr", "routing.replay_score_ratio=1.5"], "routing.replay_score_ratio"),
+        (["objective=grpo", "routing.replay_score_ratio=0.5"], "routing.replay_score_ratio"),
+        (["objective=grpo_rr", "routing.replay_score_ratio=0.5", "routing.replay_gates=true"],
+         "routing.replay_score_ratio"),
+        (["objective=grpo_rr", "routing.freeze_router=true"], "routing.freeze_router"),
+        (["trainer.ess_step_scale=cubic"], "trainer.ess_step_scale"),
+        (["objective=dppo_topk_tv", "sampler.keep_sampling_mask=true", "sampler.logprobs=processed",
+          "sampler.top_p=0.9"], "sampler.keep_sampling_mask"),
     ],
 )
 def test_replay_gates_refusals_name_the_field(overrides, field_):
-    """Gates without replay, and a gates replay of vLLM's routes (ids only), fail at start-up in one line."""
+    """Gates without replay, a gates replay of vLLM's routes (ids only), partial replay out of [0, 1], without
+    replay or with replayed gates, a frozen router without replayed gates, an unknown ESS rule and top-k
+    divergences over a renormalised support fail at start-up in one line naming the field."""
     with pytest.raises(ValueError, match=field_):
         compose_config([*TINY, *overrides])
 
