@@ -53,7 +53,7 @@ def test_ess_scaling_scales_the_step_and_leaves_the_schedule(warm_overrides):
         deltas.append([p.detach() - b for p, b in zip(ctx.model.parameters(), before, strict=True)])
         lrs.append((ctx.scheduler.get_last_lr(), [g["lr"] for g in ctx.optimizer.param_groups]))
         factor = metrics.get("train/ess_lr_factor", factor)
-    assert 0 < factor < 0.9, factor  # far enough from 1 for the comparison below to tell
+    assert 0 < factor < 0.99, factor  # 1 - factor (1.7% here) of an Adam step (~lr) is far above 2 ulps
     assert lrs[0] == lrs[1]
     moved = [(off, on, w) for off, on, w in zip(*deltas, before, strict=True) if off.abs().max() > 0]
     assert moved
