@@ -12,7 +12,8 @@ only `save` needs the network and `wandb login`.
 
 - The workspace groups runs by `objective.preset` and `routing.replay` (both in every run's W&B config)
   and has one section per quantity of the GSPO paper: learning, clipping (log scale), ratios, routing
-  volatility, mismatch, collapse, time and throughput.
+  volatility, mismatch, collapse, time and throughput; and one for the 2026 rivals (VESPO's φ, DPPO's
+  divergence, partial replay's replace rate, VCPO's step scale).
 - A report per ablation (`conf/experiment/<name>.yaml`) filters the runs to that experiment, groups them by
   the config fields its sweep varies, holds the panels that reproduce its figure and quotes the
   experiment file's header comment. Re-running updates the reports of the same title, and the workspace
@@ -90,6 +91,15 @@ PREDICTED = Panel(
 LOGIT_SHIFT = Panel("router-logit shift of one update", ("routing/logit_shift/after_one_update",), log_y=True)
 VS_SAMPLER = Panel("expert change: stale sampler vs proximal policy", ("routing/expert_change/vs_sampler", "staleness/mean"))
 LOGP_DIFF = Panel("log-prob difference: sampler vs old policy", ("mismatch/logp_abs_diff/mean",), log_y=True)
+MISMATCH_KL = Panel("trainer-sampler mismatch: k3 KL, JS and KL / entropy",
+                    ("mismatch/k3_kl", "mismatch/js_divergence", "mismatch/kl_ent_ratio"), log_y=True)
+MISMATCH_TOKENS = Panel("mismatch per token: mean e^|Δ| (NeMo-RL's gate) and |Δ| > ln 2",
+                        ("mismatch/token_mult_prob_error", "mismatch/extreme_frac"))
+RIVALS = Panel("rivals' weights: VESPO's φ, DPPO's divergence and truncated weights",
+               regex=r"^policy/(vespo_phi/mean|dppo_truncated_frac|dppo_divergence/mean)$")
+REPLACE = Panel("partial replay: replayed slots the live router replaced",
+                regex=r"^routing/replay_replace_rate(/layer_\d+)?$")
+ESS_SCALE = Panel("ESS step scale (VCPO): the lr factor of each step", regex=r"^train/ess_lr_factor$")
 EVENTS_BY_KIND = Panel("collapse events by kind", regex=r"^collapse/kind/\w+$")
 EVENTS = Panel("collapse events", ("collapse/events",))
 ENTROPY = Panel("sampler entropy (nats)", ("rollout/entropy/mean",))
@@ -115,7 +125,8 @@ SECTIONS = (
                        LENGTH_SEQ_VAR)),
     Section("routing volatility", (CHANGE, CHANGE_RESPONSE, CHANGE_LAYERS, ROLLOUT_VS_OLD, MARGINS, PREDICTED,
                                    LOGIT_SHIFT)),
-    Section("mismatch", (LOGP_DIFF, ROLLOUT_VS_OLD)),
+    Section("mismatch", (LOGP_DIFF, ROLLOUT_VS_OLD, MISMATCH_KL, MISMATCH_TOKENS)),
+    Section("rivals", (RIVALS, REPLACE, ESS_SCALE, CLIP_SIDES, KL)),
     Section("collapse", (EVENTS_BY_KIND, EVENTS, ENTROPY, EXTREME_SHARE)),
     Section("gradients", (GRAD, GRAD_CLIP)),
     Section("time and throughput", (STAGES, THROUGHPUT)),

@@ -45,6 +45,23 @@ def tiny_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def rival_runs(tmp_path_factory) -> list[Path]:
+    """Two more real two-step runs for the keys only the rivals log: dppo_tv under partial R2 replay with
+    VCPO's step scale, and vespo."""
+    runs = []
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    for overrides in (["objective=dppo_tv", "routing.replay=old", "routing.replay_score_ratio=0.5",
+                       "trainer.ess_step_scale=sqrt"], ["objective=vespo"]):
+        run_dir = tmp_path_factory.mktemp("dashboard") / overrides[0].split("=")[1]
+        proc = subprocess.run([_script("moe-rl-train"), *TINY, "warmstart.enabled=false", "logger.mode=offline",
+                               *overrides, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
+                              timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(run_dir)
+    return runs
+
+
 def _all_specs() -> list[tuple[str, list[dict]]]:
     """(name, panels) of the workspace's sections and of every report."""
     ws = workspace_spec("e", "p")
@@ -52,10 +69,12 @@ def _all_specs() -> list[tuple[str, list[dict]]]:
     return out + [(f"report {r['experiment']}", r["panels"]) for r in report_specs("e", "p")]
 
 
-def test_every_panel_key_is_logged_by_moe_rl_train(tiny_run):
+def test_every_panel_key_is_logged_by_moe_rl_train(tiny_run, rival_runs):
     """Every key a panel plots is in a real run's metrics.jsonl (held-out eval keys included: the run
-    evaluates at its last step), and every panel regex matches at least one logged key."""
-    rows = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    evaluates at its last step), and every panel regex matches at least one logged key (the rivals' in
+    their own runs)."""
+    rows = [json.loads(line) for run in (tiny_run, *rival_runs)
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = set().union(*rows) - {"step"}
     for name, panels in _all_specs():
         for panel in panels:
@@ -114,7 +133,7 @@ def test_specs_serialise_with_wandb_workspaces():
             for c in s["panels"]]
     assert logs == [p["log_y"] for p in panels]
     assert [s["name"] for s in dump["spec"]["section"]["panelBankConfig"]["sections"]] == [
-        "learning", "clipping", "ratios", "routing volatility", "mismatch", "collapse", "gradients",
+        "learning", "clipping", "ratios", "routing volatility", "mismatch", "rivals", "collapse", "gradients",
         "time and throughput"]
     (runset,) = dump["spec"]["section"]["runSets"]
     assert [g["name"] for g in runset["grouping"]] == ["objective.value.preset", "routing.value.replay"]
