@@ -14,6 +14,13 @@ rest once for all of them (rollout correction, aggregation, KL penalty, diagnost
 | gmpo | `geo_mean_clipped_ratio` (each log d_it clipped, then the mean) | `policy_gradient` −ρÂ |
 | sapo | `token_ratio` w_it | `soft_gate` −σ(τ(w − 1))·4/τ·Â (arXiv 2511.20347) |
 | sapo_seq | `seq_ratio` s_i | `soft_gate` |
+| vespo | `summed_log_ratio` w_i, ω folded into log w (arXiv 2602.10693) | `gamma_weighted_reinforce` −sg[w^k e^{λ(1−w)}]·Â·log π |
+| luspo | `seq_ratio` s_i | `length_weighted_clip`: `ppo_clip` × \|y_i\| (arXiv 2602.05261) |
+| dppo_tv, dppo_kl, dppo_topk_tv, dppo_topk_kl | `token_ratio` against objective.anchor | `trust_region`: drop a token whose divergence leaves δ in Â's direction, −Â·sg[min(r, C)]·log π (arXiv 2602.04879) |
+
+The rivals' formulas, references and departures are in their modules' docstrings (vespo.py, dppo.py,
+topk.py). An objective receives the run's `ObjectiveConfig` whole (`ObjectiveInputs.cfg`), so a new option
+is a field of moe_rl/objectives/config.py and its use in the objective, with no copy list in the trainer.
 
 Options every objective takes on top: `opsm_delta` (off-policy sequence masking, DeepSeek-V3.2) multiplies
 ω by the mask `surrogate.opsm_keep`; `kl_estimator=k3_unbiased` weights k3 by π_θ / π_old.
@@ -77,6 +84,8 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `rollout_is/ess`, `rollout_is/chi2` | rollout_is ≠ none, or mismatch_diagnostics (the trainer: trainer.sampler_dtype set): over non-empty sequences, w_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) = π_old(y_i)/π_sampler(y_i); ESS = (Σ w)² / (B' Σ w²) ∈ (0, 1], χ² = 1/B' Σ w² − 1 |
 | `policy/opsm_masked_frac` | opsm_delta set only: 1/N Σ [Â_it < 0 ∧ 1/n_i Σ_t (sampler_logp_it − logp_it) > δ], the tokens off-policy sequence masking drops |
 | `policy/gate_weight/mean` | sapo, sapo_seq only (instead of `clip/*`): 1/N Σ 4σ_it(1 − σ_it), σ = σ(τ(ρ − 1)), the gate's gradient factor (1 on-policy) |
+| `policy/vespo_phi/mean` | vespo only (no `clip/*`): 1/B' Σ_i φ_i |
+| `policy/dppo_truncated_frac`, `policy/dppo_divergence/mean` | the DPPO family: kept tokens with r > C over kept tokens; the judged divergence over valid tokens. Its `clip/low_frac` and `clip/high_frac` count the tokens its trust region drops with Â < 0 and Â > 0 |
 
 Gradient-carrying entries k of the two `*grad_weight/sum` rows, their weight g_k on Â ∇logp and the ratio
 ρ_k judged extreme (the issue's Σ|w_it·Â_i| over unclipped tokens, and its sequence analogue):
