@@ -3,11 +3,14 @@
     python experiments/step_equivalence.py against <base-commit>          # both trees, then compare
     python experiments/step_equivalence.py snapshot <root> <out.json>      # one tree's fingerprints
     python experiments/step_equivalence.py compare <before.json> <after.json>
+    ... against <base> --new-keys mismatch/k3_kl,mismatch/js_divergence   # metrics the change adds
 
 For each preset, a 2-step run (`python -m moe_rl.train`, the real entry point, with `PYTHONPATH=<root>`)
 is fingerprinted: the sha256 of every final parameter (policy/*.safetensors, the exported policy), every row of metrics.jsonl
 and events.jsonl with the timing keys (`time/*`, `throughput/*`) removed, and the summary's collapse
-events. `compare` demands exact equality: a move that changes one bit is a bug, not a re-baseline.
+events. `compare` demands exact equality: a move that changes one bit is a bug, not a re-baseline. A
+change that adds metrics names them with `--new-keys` (exact keys, comma-separated): those keys, and only
+those, may appear in the after rows alone, and every other key and value must still be equal.
 
 Every run uses one thread (trainer.threads=1, OMP_NUM_THREADS=1) and one shared warm-start cache, so the
 fingerprints depend on the code alone. Presets run two at a time. `ddp` runs under torchrun with two
@@ -52,6 +55,14 @@ PRESETS: dict[str, list[str]] = {
     "gspo_token_bf16_master": ["objective=gspo_token", "model.dtype=bfloat16", "trainer.master_weights=true"],
     "ddp": ["objective=grpo_rr", "trainer.parallel=ddp"],
     "vllm": ["objective=grpo_r3", "sampler.engine=vllm"],
+    # issue 53's rivals and options
+    "vespo_tis_bf16": ["objective=vespo", "objective.rollout_is=token_truncate", "trainer.sampler_dtype=bfloat16"],
+    "luspo": ["objective=luspo"],
+    "dppo_prime": ["objective=dppo_prime"],
+    "dppo_topk_stale": ["objective=dppo_topk_kl", "rollout.staleness=1"],
+    "partial_replay_ess": ["objective=grpo_rr", "routing.replay_score_ratio=0.5", "trainer.ess_step_scale=sqrt",
+                           "trainer.sampler_dtype=bfloat16"],
+    "router_recall": ["objective=grpo_r3", "routing.replay_gates=true", "routing.freeze_router=true"],
 }
 DISTRIBUTED = {"ddp"}
 NEEDS_VLLM = {"vllm"}
@@ -160,11 +171,25 @@ def _first_difference(a, b, where: str = "") -> str | None:
     return None if a == b else f"{where}: {a!r} before, {b!r} after"
 
 
-def compare(before: dict, after: dict) -> list[str]:
-    """One line per preset: `equal`, `skipped (...)` or its first difference. Returns the lines."""
+def without_new_keys(fingerprint: dict, new_keys: set[str]) -> dict:
+    """The fingerprint with the named metric keys dropped from every metric row (the after side of a change
+    that adds them)."""
+    if not new_keys or "metrics" not in fingerprint:
+        return fingerprint
+    return {**fingerprint, "metrics": [{k: v for k, v in row.items() if k not in new_keys}
+                                       for row in fingerprint["metrics"]]}
+
+
+def compare(before: dict, after: dict, new_keys: set[str] = frozenset()) -> list[str]:
+    """One line per preset: `equal`, `skipped (...)` or its first difference. Returns the lines. `new_keys`:
+    metric keys the change adds, dropped from the after rows before the comparison (a key of them that the
+    before rows also hold is still compared)."""
     lines = []
     for name in sorted(set(before) | set(after)):
         a, b = before.get(name), after.get(name)
+        if a is not None and b is not None and "metrics" in a:
+            added = new_keys - set().union(*a["metrics"]) if a["metrics"] else set(new_keys)
+            b = without_new_keys(b, added)
         if a is None or b is None:
             lines.append(f"{name}: only {'after' if a is None else 'before'}")
         elif "skipped" in a or "skipped" in b:
@@ -189,12 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("after")
     against = sub.add_parser("against", help="snapshot <base> (git archive) and this tree, then compare")
     against.add_argument("base")
+    for p in (cmp_, against):
+        p.add_argument("--new-keys", default="", help="comma-separated metric keys the change adds")
     for p in (snap, against):
         p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated (default: all)")
         p.add_argument("--cache", default=None, help="warm-start cache shared by both trees (default: a temp dir)")
     args = parser.parse_args(argv)
+    new_keys = set(filter(None, getattr(args, "new_keys", "").split(",")))
     if args.cmd == "compare":
-        lines = compare(json.loads(Path(args.before).read_text()), json.loads(Path(args.after).read_text()))
+        lines = compare(json.loads(Path(args.before).read_text()), json.loads(Path(args.after).read_text()),
+                        new_keys)
     else:
         presets = args.presets.split(",")
         unknown = sorted(set(presets) - set(PRESETS))
@@ -212,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             cache = args.cache or str(Path(tmp) / "warmstart")
             before = snapshot(str(base), str(Path(tmp) / "before.json"), presets, cache)
             after = snapshot(str(here), str(Path(tmp) / "after.json"), presets, cache)
-        lines = compare(before, after)
+        lines = compare(before, after, new_keys)
     print("\n".join(lines))
     return 0 if all(": equal" in line or ": skipped" in line for line in lines) else 1
 
