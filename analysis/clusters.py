@@ -247,14 +247,28 @@ def format_clusters(pairs: list[dict]) -> str:
         reg = pair.get("regression_by_warm_start")
         if reg:
             words.append(format_regression_by_warm_start(pair["a"], pair["b"], reg))
+        ends = pair.get("ends_by_warm_start")
+        if ends:
+            words.append(format_ends_by_warm_start(pair["a"], pair["b"], ends))
     note = ("Per warm start, the mean over its RL seeds of the paired difference; the CI is a Student t over "
             "warm starts. σ² between / within: one-way random-effects ANOVA (method of moments, between "
             "truncated at 0) on the paired differences; ICC = between / (between + within). A verdict needs "
             f"at least {MIN_WARM_STARTS} warm starts. Sustained regression by warm start: each arm's regressed "
             "runs over those with a pre-update eval, per warm start; p of the exact conditional (Mantel–Haenszel) "
             "test that both arms regress at one rate within every warm start, and of the log-rank test of time "
-            "to regression stratified by warm start.")
+            "to regression stratified by warm start. Ends regressed by warm start: runs whose mean expected "
+            "accuracy over their last 30 updates is below 0.8 x the pre-update value (a sustained regression "
+            "the run recovers from does not count), by the same exact conditional test.")
     return "\n\n".join(["\n".join(lines), note, "\n".join(words)])
+
+
+def format_ends_by_warm_start(a: str, b: str, ends: dict[str, Any]) -> str:
+    """One sentence: each arm's runs that end regressed, per warm start, and the exact stratified test's p."""
+    per = ", ".join(f"{w['ended_a']}/{w['n_a']} vs {w['ended_b']}/{w['n_b']}" for w in ends["per_warm_start"])
+    judged = warm_start_verdict(Difference(math.nan, math.nan, math.nan, ends["exact_p"], ends["warm_starts"],
+                                           ends["warm_starts"], ends["exact_test"]))
+    return (f"- **{a}** vs **{b}**, ends regressed by warm start: {ends['ended_a']}/{ends['n_a']} vs "
+            f"{ends['ended_b']}/{ends['n_b']} ({per}); {ends['exact_test']} p = {_num(ends['exact_p'])}: {judged}.")
 
 
 def format_regression_by_warm_start(a: str, b: str, reg: dict[str, Any]) -> str:

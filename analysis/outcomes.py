@@ -11,6 +11,7 @@ row of RL step s at s + 1.
 | gain | expected accuracy at the last eval minus before the first update (does the policy still learn?); nan without a pre-update eval |
 | late expected accuracy | mean expected accuracy over the evals of the last `LATE` (30) updates (`late_expected`): where the run ended up |
 | time to regression | the first eval (in updates) at which expected accuracy is below `REGRESSION_FRAC` (0.8) x its value before the first update and stays below at the next eval too (*sustained*, two evals in a row); censored at the last eval when that never happens; unknown (left out) without a pre-update eval |
+| ends regressed | the late expected accuracy (above) is below `REGRESSION_FRAC` x the pre-update value: the run *ends* regressed, where a sustained regression can be a dip it recovers from (`ends_regressed`); unknown without a pre-update eval |
 
 Across two arms: the AUC difference a - b, paired by seed when both ran the same seeds (paired t, else
 Welch; analysis.pairs.outcome_difference), and the log-rank test of time to regression
@@ -98,6 +99,15 @@ def regression_time(run: Run, frac: float = REGRESSION_FRAC, sustained: int = SU
     return float(t[-1]), False
 
 
+def ends_regressed(run: Run, frac: float = REGRESSION_FRAC, last: int = LATE) -> float:
+    """1.0 when the mean expected accuracy over the run's last `last` updates is below frac x the pre-update
+    value (the run ends regressed), 0.0 when not, nan without a pre-update eval."""
+    t, v = expected_curve(run)
+    if t.size < 2 or t[0] != 0:
+        return math.nan
+    return float(late_expected(run, last) < frac * v[0])
+
+
 def regression_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
     """Log-rank test of time to regression, a vs b, over the runs that have a pre-update eval: the
     chi-square, p, observed and expected regressions per arm, and each run's (seed, time, regressed)."""
@@ -140,6 +150,29 @@ def stratified_regression_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def stratified_ends_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
+    """Runs that end regressed (`ends_regressed`), a vs b, stratified by warm start, over the runs with a
+    pre-update eval: the exact conditional test that the arms end regressed at one rate within every warm
+    start (analysis.stats.exact_stratified); per warm start, each arm's ended-regressed and evaluated runs."""
+    strata: dict[tuple, tuple[list, list]] = {}
+    for arm, runs in enumerate((a, b)):
+        for run in runs:
+            ended = ends_regressed(run)
+            if math.isfinite(ended):
+                strata.setdefault(warm_start_id(run), ([], []))[arm].append(int(ended))
+    keys = sorted((w for w, (ra, rb) in strata.items() if ra and rb), key=repr)
+    counts = [(sum(strata[w][0]), len(strata[w][0]), sum(strata[w][1]), len(strata[w][1])) for w in keys]
+    exact = exact_stratified(*zip(*counts, strict=True)) if counts else None
+    return {
+        "warm_starts": len(keys),
+        "ended_a": sum(c[0] for c in counts), "n_a": sum(c[1] for c in counts),
+        "ended_b": sum(c[2] for c in counts), "n_b": sum(c[3] for c in counts),
+        "exact_p": exact.p if exact else math.nan, "exact_test": ExactStratified.test,
+        "per_warm_start": [{"warm_start": w[0], "ended_a": c[0], "n_a": c[1], "ended_b": c[2], "n_b": c[3]}
+                           for w, c in zip(keys, counts, strict=True)],
+    }  # fmt: skip
+
+
 def has_expected(runs: list[Run]) -> bool:
     """Whether any of the runs logged `eval/expected_accuracy`."""
     return any(KEY in row for r in runs for row in r.rows)
@@ -160,15 +193,17 @@ def outcomes_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
     table = {}
     for label, runs in groups.items():
         aucs, gains, times = [auc(r) for r in runs], [gain(r) for r in runs], [regression_time(r) for r in runs]
+        ends = [ends_regressed(r) for r in runs]
         ci, g = mean_ci(aucs), mean_ci(gains)
         known = [e for t, e in times if math.isfinite(t)]
         table[label] = {
             "seeds": [r.seed for r in runs], "auc": ci.mean, "auc_ci95": ci.half, "auc_n": ci.n,
             "gain": g.mean, "gain_ci95": g.half, "gain_n": g.n,
             "regressed": sum(known), "with_initial_eval": len(known),
+            "ended_regressed": int(sum(e for e in ends if math.isfinite(e))),
             "per_seed": {"seed": [r.seed for r in runs], "auc": aucs, "gain": gains,
                          "regression_updates": [t for t, _ in times],
-                         "regressed": [e for _, e in times]},
+                         "regressed": [e for _, e in times], "ended_regressed": ends},
         }  # fmt: skip
     return table
 
@@ -176,19 +211,23 @@ def outcomes_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
 def format_outcomes(table: dict[str, dict[str, Any]]) -> str:
     """Markdown, one row per group."""
     lines = ["| run | seeds | expected-acc AUC | gain (last − pre-update) | seeds with sustained regression "
-             "| at updates |", "|---" * 6 + "|"]
+             "| at updates | seeds that end regressed |", "|---" * 7 + "|"]
     for label, row in table.items():
         ps = row["per_seed"]
         at = ", ".join(f"{t:g} (seed {s})" for s, t, e in zip(ps["seed"], ps["regression_updates"], ps["regressed"],
                                                               strict=True) if e)  # fmt: skip
         reg = f"{row['regressed']}/{row['with_initial_eval']}" if row["with_initial_eval"] else "n/a"
+        ended = f"{row['ended_regressed']}/{row['with_initial_eval']}" if row["with_initial_eval"] else "n/a"
         lines.append(f"| {label} | {len(row['seeds'])} | {MeanCI(row['auc'], row['auc_ci95'], row['auc_n']).format(3)} "
-                     f"| {MeanCI(row['gain'], row['gain_ci95'], row['gain_n']).format(3)} | {reg} | {at or '–'} |")
+                     f"| {MeanCI(row['gain'], row['gain_ci95'], row['gain_n']).format(3)} | {reg} | {at or '–'} "
+                     f"| {ended} |")
     return "\n".join(lines) + (
         f"\n\nAUC: trapezoid area under `{KEY}` against updates done (the pre-update eval at 0), over its span: the "
         f"run's mean expected accuracy; gain: the last eval's value minus the pre-update one; both mean ± 95% CI "
         f"over seeds. Sustained regression: below {REGRESSION_FRAC:g} x "
-        f"the pre-update value at {SUSTAINED} evals in a row (n/a without a pre-update eval)."
+        f"the pre-update value at {SUSTAINED} evals in a row (n/a without a pre-update eval), which a run can "
+        f"recover from; ends regressed: the mean over the evals of its last {LATE} updates is below "
+        f"{REGRESSION_FRAC:g} x the pre-update value."
     )
 
 

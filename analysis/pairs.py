@@ -15,7 +15,9 @@ Warm starts (analysis.clusters): the section opens with the sweep's design. When
 carry RL seeds, every pair also gets the outcome (and AUC, and late expected accuracy) contrast formed within each warm start and
 judged by a t over warm starts, with the between-warm-start variance component and the ICC ("clusters"),
 and sustained regression stratified by warm start: the exact conditional test of the rates and the
-stratified log-rank test of the times (analysis.outcomes.stratified_regression_test).
+stratified log-rank test of the times (analysis.outcomes.stratified_regression_test); and runs that *end*
+regressed (late expected accuracy below 0.8 x the pre-update value), by the same exact stratified test
+(analysis.outcomes.stratified_ends_test): a sustained regression can be a dip the run recovers from.
 
 table.json keeps, per pair, every seed's value of each outcome (`per_seed`), so any number can be re-derived.
 
@@ -39,6 +41,7 @@ from analysis.outcomes import (
     has_expected,
     late_expected,
     regression_test,
+    stratified_ends_test,
     stratified_regression_test,
 )
 from analysis.stats import MIN_SEEDS, Difference, paired_t, rate_difference, verdict, welch
@@ -108,6 +111,7 @@ def compare_pair(
                       **({"auc": contrast_row(a, b, auc), "late": contrast_row(a, b, late_expected)} if expected else {})}
                      if clustered else None),
         "regression_by_warm_start": stratified_regression_test(a, b) if clustered and expected else None,
+        "ends_by_warm_start": stratified_ends_test(a, b) if clustered and expected else None,
         "per_seed": {"a": per_seed_values(a, quantities), "b": per_seed_values(b, quantities)},
     }
 
