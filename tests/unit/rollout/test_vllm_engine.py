@@ -101,26 +101,6 @@ def test_sync_loads_the_updated_weights(raw):
     torch.testing.assert_close(fresh.logp_BR[mask], logp_BR[mask], atol=TOL, rtol=0)
 
 
-def test_topk_logprobs_are_the_trainers_topk_with_the_drawn_token_kept():
-    """With topk=K (vLLM's logprobs=K; issue 53's DPPO top-k), each position's K tokens are the trainer's
-    K most likely (the drawn token in the last slot where it ranks lower, as the hf engine), with the
-    trainer's log-probs within 2e-6; padding is token 0 at 0."""
-    model, tokenizer, controller = _policy()
-    engine = _engine(model, tokenizer, controller, topk=4)
-    try:
-        roll = engine.sample(PROMPTS, seed=5)
-    finally:
-        engine.close()
-    logp_BRV = torch.log_softmax(_trainer_view(model, controller, roll)[1].float(), -1)
-    m, ids = roll.response_mask_BR, roll.topk_ids_BRK
-    assert ids.shape[-1] == 4 and (ids[~m] == 0).all() and (roll.topk_logp_BRK[~m] == 0).all()
-    torch.testing.assert_close(roll.topk_logp_BRK[m], logp_BRV.gather(-1, ids)[m], atol=TOL, rtol=0)
-    assert (ids == roll.response_ids_BR[..., None]).any(-1)[m].all()
-    best = logp_BRV.topk(4, -1).indices
-    kept = (best == roll.response_ids_BR[..., None]).any(-1) & m
-    assert torch.equal(ids[kept].sort(-1).values, best[kept].sort(-1).values)
-
-
 def test_a_rows_draw_does_not_depend_on_the_split(raw):
     """Sampling a slice of the rows gives those rows exactly as sampling the whole list does."""
     _, _, _, engine = raw
@@ -129,6 +109,25 @@ def test_a_rows_draw_does_not_depend_on_the_split(raw):
     R = part.response_ids_BR.shape[1]
     assert torch.equal(part.response_ids_BR, whole.response_ids_BR[4:8, :R])
     assert torch.equal(part.prompt_ids_BP, whole.prompt_ids_BP[4:8])
+
+
+def test_topk_logprobs_are_the_trainers_topk_with_the_drawn_token_kept():
+    """With topk=K (vLLM's logprobs=K; issue 53's DPPO top-k), each position's K tokens are the trainer's
+    K most likely (the drawn token in the last slot where it ranks lower, as the hf engine), with the
+    trainer's log-probs within 2e-6; padding is token 0 at 0."""
+    model, tokenizer, controller = _policy()
+    # A test's own engine comes after the tests of the module's `raw` engine: starting one re-initialises
+    # vLLM's process-wide groups under it. Left open, as every test's engine.
+    engine = _engine(model, tokenizer, controller, topk=4)
+    roll = engine.sample(PROMPTS, seed=5)
+    logp_BRV = torch.log_softmax(_trainer_view(model, controller, roll)[1].float(), -1)
+    m, ids = roll.response_mask_BR, roll.topk_ids_BRK
+    assert ids.shape[-1] == 4 and (ids[~m] == 0).all() and (roll.topk_logp_BRK[~m] == 0).all()
+    torch.testing.assert_close(roll.topk_logp_BRK[m], logp_BRV.gather(-1, ids)[m], atol=TOL, rtol=0)
+    assert (ids == roll.response_ids_BR[..., None]).any(-1)[m].all()
+    best = logp_BRV.topk(4, -1).indices
+    kept = (best == roll.response_ids_BR[..., None]).any(-1) & m
+    assert torch.equal(ids[kept].sort(-1).values, best[kept].sort(-1).values)
 
 
 def test_processed_logprobs_are_renormalised_over_the_nucleus():
