@@ -24,6 +24,18 @@ Measured for each, over B's response tokens (`calibration.json`, `calibration.md
 expert change (1 - |A∩B|/K, mean over tokens and layers), mean and p99 of |Δ log π| against the clean
 forward, and for logit noise the change the margins predict (`routing.predicted_change`). Also the
 policy's router statistics: margins (median, p10, fraction below 0.1), load CV and dead experts.
+
+What replay removes (issue 57). Every |Δ log π| above is routing-only: an injection's against the clean
+forward at the same weights, and a natural update's free routing against the same updated weights
+replaying the old routing, i.e. |log π(θ', routing(θ')) − log π(θ', routing(θ))|, the damage routing
+replay removes. Beside it the natural rows give the whole update's damage, |log π(θ', routing(θ')) −
+log π(θ, routing(θ))| (`whole_dlogp_mean`), and every row the damage per changed expert: mean |Δ log π|
+over the changed experts per token, change x K x L (`dlogp_per_changed_expert`). With `--staleness
+1,2,4,...` one trajectory of real RL steps from the calibrated policy gives the same three after k updates
+(`stale` rows, scale k): B's routing and log-probs at the start are the stale sampler's, the policy k
+steps later is the proximal one, exactly what R3 replays under rollout.staleness=k. The dose check
+(`summary_table`) compares noise and natural damage per changed expert at the training lr
+(trainer.lr), not at the lr whose change is nearest: a 30x lr moves the weights, not just the routing.
 """
 
 from __future__ import annotations
@@ -80,18 +92,27 @@ class _Measure:
     def __init__(self) -> None:
         self.change: dict[tuple[str, float], list[float]] = {}
         self.dlogp: dict[tuple[str, float], list[torch.Tensor]] = {}
+        self.whole: dict[tuple[str, float], list[torch.Tensor]] = {}
 
-    def add(self, key: tuple[str, float], change: float, dlogp: torch.Tensor) -> None:
+    def add(self, key: tuple[str, float], change: float, dlogp: torch.Tensor, whole: torch.Tensor | None = None) -> None:
         self.change.setdefault(key, []).append(change)
         self.dlogp.setdefault(key, []).append(dlogp)
+        if whole is not None:
+            self.whole.setdefault(key, []).append(whole)
 
-    def rows(self) -> list[dict]:
+    def rows(self, slots: int) -> list[dict]:
+        """One row per (kind, scale); `slots` = K x L, the expert slots of a token over the layers."""
         out = []
         for (kind, scale), changes in self.change.items():
             d = torch.cat(self.dlogp[(kind, scale)]).double()
-            out.append({"kind": kind, "scale": scale, "expert_change": sum(changes) / len(changes),
-                        "dlogp_mean": float(d.mean()), "dlogp_p99": float(torch.quantile(d, 0.99)),
-                        "tokens": int(d.numel())})
+            change = sum(changes) / len(changes)
+            row = {"kind": kind, "scale": scale, "expert_change": change,
+                   "dlogp_mean": float(d.mean()), "dlogp_p99": float(torch.quantile(d, 0.99)),
+                   "tokens": int(d.numel()),
+                   "dlogp_per_changed_expert": float(d.mean()) / (change * slots) if change > 0 else None}
+            if (kind, scale) in self.whole:
+                row["whole_dlogp_mean"] = float(torch.cat(self.whole[(kind, scale)]).double().mean())
+            out.append(row)
         return out
 
 
@@ -119,9 +140,21 @@ def _noise(ctx: StepContext, batch: Batch, sl: slice, step: int, scale: float):
     return lambda: ctx.controller.noise(step_noise(ctx.controller, ctx.cfg.seed, step, batch, sl, scale))
 
 
-def _compare(meas: _Measure, key, ref, got, resp_bS1, mask_bR) -> None:
+def _compare(meas: _Measure, key, ref, got, resp_bS1, mask_bR, before: torch.Tensor | None = None) -> None:
+    """`got` against `ref` (log-probs and traces); `before`: the log-probs before an update, for its whole damage."""
     (logp0, trace0), (logp1, trace1) = ref, got
-    meas.add(key, expert_change_fraction(trace1, trace0, resp_bS1), (logp1 - logp0)[mask_bR].abs())
+    whole = None if before is None else (logp1 - before)[mask_bR].abs()
+    meas.add(key, expert_change_fraction(trace1, trace0, resp_bS1), (logp1 - logp0)[mask_bR].abs(), whole)
+
+
+def _replay_removable(ctx: StepContext, batch: Batch, B: slice, ref, key, meas: _Measure) -> None:
+    """At the current weights θ', the free forward of rows B against the same weights replaying `ref`'s
+    routing (recorded at θ): |log π(θ', routing(θ')) − log π(θ', routing(θ))|, and the whole damage
+    against `ref`'s log-probs."""
+    logp_free, trace_free = _forward(ctx, batch, B)
+    logp_replay, _ = _forward(ctx, batch, B, lambda: ctx.controller.replay(ref[1]))
+    _compare(meas, key, (logp_replay, ref[1]), (logp_free, trace_free), response_positions(batch, B),
+             batch.response_mask_BR[B], before=ref[0])
 
 
 def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs: list[float], ref, meas) -> None:
@@ -136,26 +169,43 @@ def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs:
         for group in ctx.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)  # the router group keeps trainer.router_lr_scale
         update(ctx, batch, old, plan, 0)
-        logp_free, trace_free = _forward(ctx, batch, B)
-        logp_replay, _ = _forward(ctx, batch, B, lambda: ctx.controller.replay(ref[1]))
         # The re-routing's own effect: the updated policy routed freely against the same policy replaying
-        # the old routing (R2), so the update's direct effect on every weight cancels.
-        _compare(meas, ("natural", lr), (logp_replay, ref[1]), (logp_free, trace_free),
-                 response_positions(batch, B), batch.response_mask_BR[B])
+        # the old routing (R2), so the update's direct effect on every weight cancels; its whole effect beside it.
+        _replay_removable(ctx, batch, B, ref, ("natural", lr), meas)
         ctx.model.load_state_dict(model_state)
         ctx.optimizer.load_state_dict(opt_state)
         ctx.scheduler.load_state_dict(sched_state)
 
 
+def _staleness(ctx: StepContext, batch: Batch, B: slice, first_step: int, ks: list[int], meas: _Measure) -> None:
+    """One trajectory of max(ks) real RL steps from the current policy; after k of them, the replay-removable
+    and whole damage and the expert change on rows B against their routing and log-probs at the start (the
+    stale sampler's). The model, optimizer and scheduler are restored afterwards."""
+    model_state = copy.deepcopy(ctx.model.state_dict())
+    opt_state = copy.deepcopy(ctx.optimizer.state_dict())
+    sched_state = ctx.scheduler.state_dict()
+    ref = _forward(ctx, batch, B)
+    for k in range(1, max(ks) + 1):
+        rl_step(ctx, first_step + k - 1)
+        if k in ks:
+            _replay_removable(ctx, batch, B, ref, ("stale", float(k)), meas)
+    ctx.model.load_state_dict(model_state)
+    ctx.optimizer.load_state_dict(opt_state)
+    ctx.scheduler.load_state_dict(sched_state)
+
+
 def calibrate(
-    ctx: StepContext, batches: int, lrs: list[float], scales: dict[str, list[float]], rl_steps: int = 0
+    ctx: StepContext, batches: int, lrs: list[float], scales: dict[str, list[float]], rl_steps: int = 0,
+    staleness: list[int] = (),
 ) -> dict:
     """The calibration of `ctx`'s policy (module docstring) after `rl_steps` real RL steps (so AdamW has
-    state: its first step from fresh state moves every weight by about lr, far more than a later one);
-    returns what calibration.json holds."""
+    state: its first step from fresh state moves every weight by about lr, far more than a later one), with
+    a staleness trajectory of max(`staleness`) more RL steps; returns what calibration.json holds."""
     meas, margins, loads = _Measure(), [], []
     M, K = ctx.cfg.trainer.mini_batches, ctx.controller.top_k
     todo = rl_steps + batches * (sum(len(v) for v in scales.values()) + len(scales["logit_noise"]) + len(lrs))
+    todo += max(staleness, default=0)
+    stale_batch = None
     bar = tqdm(total=todo, desc="calibrate", disable=not ctx.cfg.logger.progress)
     for step in range(rl_steps):
         rl_step(ctx, step)
@@ -192,15 +242,20 @@ def calibrate(
             bar.update()
         _natural(ctx, batch, A, B, step, lrs, ref, meas)
         bar.update(len(lrs))
+        stale_batch = stale_batch or (batch, B)
+    if staleness:  # after the per-batch measures, from the same policy (every update above was restored)
+        _staleness(ctx, *stale_batch, rl_steps + batches, sorted(set(staleness)), meas)
+        bar.update(max(staleness))
     bar.close()
     m = torch.cat(margins).double() if margins else torch.zeros(0)
-    rows = meas.rows()
+    rows = meas.rows(K * ctx.controller.num_layers)
     for row in rows:
         row["predicted_change"] = predicted_change(m, row["scale"], K) if row["kind"] == "logit_noise" else None
     return {
         "config": {"family": ctx.cfg.model.family, "experts": ctx.controller.num_experts, "top_k": K, "layers": ctx.controller.num_layers,
                    "aux": ctx.cfg.model.router_aux_loss_coef, "task": ctx.cfg.task.name, "objective": ctx.cfg.objective.name,
                    "mini_batches": M, "batches": batches, "rl_steps": rl_steps, "lr": ctx.cfg.trainer.lr,
+                   "staleness": sorted(set(staleness)),
                    "router_lr_scale": ctx.cfg.trainer.router_lr_scale},
         "router": {
             **{f"margin_{k}": v for k, v in margin_summary(m).items()},
@@ -244,13 +299,19 @@ def write_report(result: dict, out: Path) -> None:
              f"Router margins z_(k) - z_(k+1): median {r['margin_median']:.3f}, p10 {r['margin_p10']:.3f}, "
              f"{100 * r['margin_frac_below']:.1f}% below 0.1; load CV {r['load_cv']:.2f}, dead experts "
              f"{100 * r['dead_frac']:.1f}%.", "",
-             "| injection | scale | expert change | mean \\|Δlogp\\| | p99 \\|Δlogp\\| | predicted by margins |",
-             "|---|---|---|---|---|---|"]
+             "Every \\|Δlogp\\| is what routing replay removes (routing-only); the whole update's damage is beside "
+             "the natural and stale rows; per changed expert: mean \\|Δlogp\\| / (change x K x L).", "",
+             "| injection | scale | expert change | mean \\|Δlogp\\| | p99 \\|Δlogp\\| | per changed expert "
+             "| whole update's mean \\|Δlogp\\| | predicted by margins |",
+             "|---|---|---|---|---|---|---|---|"]
+    names = {"natural": "natural (one update, lr)", "stale": "stale (k RL steps)"}
     for x in sorted(rows, key=lambda x: (x["kind"], x["scale"])):
         pred = "" if x["predicted_change"] is None else f"{100 * x['predicted_change']:.2f}%"
-        name = "natural (one update, lr)" if x["kind"] == "natural" else x["kind"]
-        lines.append(f"| {name} | {x['scale']:g} | {100 * x['expert_change']:.2f}% | {x['dlogp_mean']:.4f} | "
-                     f"{x['dlogp_p99']:.3f} | {pred} |")
+        per = x.get("dlogp_per_changed_expert")
+        whole = x.get("whole_dlogp_mean")
+        lines.append(f"| {names.get(x['kind'], x['kind'])} | {x['scale']:g} | {100 * x['expert_change']:.2f}% "
+                     f"| {x['dlogp_mean']:.4f} | {x['dlogp_p99']:.3f} | {'' if per is None else f'{per:.2e}'} "
+                     f"| {'' if whole is None else f'{whole:.4f}'} | {pred} |")
     lines += ["", "Scale matching an expert change (log-log interpolation between measured scales):", "",
               "| target | " + " | ".join(k for k in KINDS) + " |", "|---|" + "---|" * len(KINDS)]
     targets = [(f"natural, lr {x['scale']:g} ({100 * x['expert_change']:.2f}%)", x["expert_change"]) for x in natural]
@@ -270,6 +331,9 @@ def write_report(result: dict, out: Path) -> None:
     for x in natural:
         b.plot([x["expert_change"]] * 2, [x["dlogp_mean"], x["dlogp_p99"]], "k*", ms=12)
     b.plot([], [], "k*", ms=12, label="natural (one update)")
+    stale = sorted((x["expert_change"], x["dlogp_mean"]) for x in rows if x["kind"] == "stale")
+    if stale:
+        b.plot(*zip(*stale, strict=True), "kD-", ms=5, label="stale (k RL steps)")
     a.set(xscale="log", yscale="log", xlabel="scale (p, σ or σ_w)", ylabel="expert change",
           title="Expert change against injected scale")
     b.set(xscale="log", yscale="log", xlabel="expert change", ylabel="|Δ log π| (mean, p99)",
@@ -280,6 +344,32 @@ def write_report(result: dict, out: Path) -> None:
         ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(out / "calibration.png", dpi=110)
+    plt.close(fig)
+    if any(x["kind"] == "stale" for x in rows):
+        plot_staleness(rows, out / "staleness.png")
+
+
+def plot_staleness(rows: list[dict], path: Path) -> None:
+    """Expert change, and the replay-removable and whole damage, against k RL steps of staleness, beside
+    the GSPO paper's "~10% of activated experts change after one update"."""
+    import matplotlib.pyplot as plt
+
+    pts = sorted((x["scale"], x["expert_change"], x["dlogp_mean"], x["whole_dlogp_mean"]) for x in rows
+                 if x["kind"] == "stale")
+    k, change, removable, whole = zip(*pts, strict=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(k, [100 * c for c in change], "o-", label="sampler (k steps old) vs proximal policy")
+    a.axhline(10, color="grey", ls=":", label="GSPO paper: ~10% after one update (48-layer Qwen3-30B-A3B)")
+    a.set(xscale="log", xlabel="staleness k (RL steps)", ylabel="expert change (%)", title="Expert change against staleness")
+    b.plot(k, removable, "o-", label="what replay removes: |log π(θ_k, r(θ_k)) − log π(θ_k, r(θ_0))|")
+    b.plot(k, whole, "s--", label="whole: |log π(θ_k, r(θ_k)) − log π(θ_0, r(θ_0))|")
+    b.set(xscale="log", yscale="log", xlabel="staleness k (RL steps)", ylabel="mean |Δ log π| per token",
+          title="Log-prob damage against staleness")
+    for ax in (a, b):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -293,7 +383,8 @@ def summary_table(results: list[tuple[str, dict]]) -> str:
     head = ["policy", "experts / top-k / layers", "aux", "router lr x", "margin median", "p10", "< 0.1", "load CV", "dead",
             *[f"change, lr {lr:g}" for lr in lrs], *[f"mean \\|Δlogp\\|, lr {lr:g}" for lr in lrs],
             *[f"\\|Δlogp\\| per point, lr {lr:g}" for lr in lrs], "logit noise: σ, measured / predicted",
-            "logit noise per point / natural's at the nearest change: σ: ratio (lr)"]
+            "logit noise per point / natural's at the nearest change: σ: ratio (lr)",
+            "logit noise per changed expert / natural's at the training lr: σ: ratio"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, res in results:
         c, r = res["config"], res["router"]
@@ -308,7 +399,9 @@ def summary_table(results: list[tuple[str, dict]]) -> str:
                  ", ".join(f"{x['scale']:g}: {100 * x['expert_change']:.1f}% / {100 * x['predicted_change']:.1f}%"
                            for x in noise),
                  ", ".join(f"{x['scale']:g}: {ratio:.2f} ({lr:g})" for x in noise
-                           for ratio, lr in [noise_vs_natural(x, list(nat.values()))] if math.isfinite(ratio))]
+                           for ratio, lr in [noise_vs_natural(x, list(nat.values()))] if math.isfinite(ratio)),
+                 ", ".join(f"{x['scale']:g}: {ratio:.2f}" for x in noise
+                           for ratio in [noise_vs_training_lr(x, nat.get(c["lr"]))] if math.isfinite(ratio))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -323,6 +416,17 @@ def noise_vs_natural(noise: dict, natural: list[dict]) -> tuple[float, float]:
     near = min(usable, key=lambda r: abs(math.log(r["expert_change"] / noise["expert_change"])))
     ratio = (noise["dlogp_mean"] / noise["expert_change"]) / (near["dlogp_mean"] / near["expert_change"])
     return ratio, near["scale"]
+
+
+def noise_vs_training_lr(noise: dict, natural: dict | None) -> float:
+    """An injection row's damage per changed expert over the natural update's at the training lr (its row
+    at trainer.lr): both routing-only, what replay removes; 1 means noise damages per changed expert as
+    natural re-routing at the lr the runs train with does. nan without that row or without a change. Rows
+    written before `dlogp_per_changed_expert` existed give the same ratio from damage per point of change
+    (K and L cancel)."""
+    if natural is None or noise["expert_change"] <= 0 or natural["expert_change"] <= 0 or natural["dlogp_mean"] <= 0:
+        return math.nan
+    return (noise["dlogp_mean"] / noise["expert_change"]) / (natural["dlogp_mean"] / natural["expert_change"])
 
 
 def damage_per_point(row: dict | None) -> str:
@@ -358,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lrs", type=_floats, default=None, help="lrs of the natural update (default trainer.lr)")
     parser.add_argument("--rl-steps", type=int, default=5,
                         help="real RL steps at trainer.lr before calibrating, so the optimizer has state (default 5)")
+    parser.add_argument("--staleness", type=lambda t: [int(x) for x in t.split(",") if x.strip()], default=[],
+                        help="k values (RL steps) of a staleness trajectory: change and damage after k steps")
     for kind, default in DEFAULTS.items():
         parser.add_argument(f"--{kind.replace('_', '-')}", type=_floats, default=default, dest=kind)
     parser.add_argument("--summarize", type=Path, nargs="+", metavar="DIR",
@@ -376,9 +482,11 @@ def main(argv: list[str] | None = None) -> None:
                  "and routing.replay=off (each injection is applied by the calibration itself)")
     if args.batches < 1 or args.rl_steps < 0:
         sys.exit(f"moe-rl-calibrate: --batches={args.batches} must be >= 1, --rl-steps={args.rl_steps} >= 0")
+    if any(k < 1 for k in args.staleness):
+        sys.exit(f"moe-rl-calibrate: --staleness={args.staleness}: every k must be >= 1")
     ctx, _ = build_context(cfg)
     scales = {k: getattr(args, k) for k in DEFAULTS}
-    result = calibrate(ctx, args.batches, args.lrs or [cfg.trainer.lr], scales, args.rl_steps)
+    result = calibrate(ctx, args.batches, args.lrs or [cfg.trainer.lr], scales, args.rl_steps, args.staleness)
     write(result, args.out)
     print(f"calibration of {result['config']} written to {args.out}/calibration.md")
 

@@ -47,6 +47,41 @@ def test_calibration_runs_end_to_end_and_noise_grows_with_sigma(tmp_path):
     assert row[11] == (f"{natural['dlogp_mean'] / change:.4f}" if change > 0 else "")  # per point of change
 
 
+def test_calibration_measures_what_replay_removes_after_k_steps_of_staleness(tmp_path, warm_overrides):
+    """--staleness 1,3: one trajectory of 3 real RL steps gives `stale` rows after 1 and 3 steps, each with
+    its expert change, the replay-removable damage, the whole damage and the damage per changed expert
+    (mean / (change x K x L)); the natural row has its whole damage too; and staleness.png is drawn."""
+    tiny = [o for o in TINY if o != "warmstart.enabled=false"]  # a warm start: rewards vary, so updates move
+    main([*tiny, *warm_overrides, "trainer.lr=1e-2", "trainer.warmup_steps=0", "--batches", "1", "--rl-steps", "1",
+          "--lrs", "1e-2", "--drift", "",
+          "--logit-noise", "0.3", "--weight-noise", "", "--staleness", "1,3", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "calibration.json").read_text())
+    rows = {(r["kind"], r["scale"]): r for r in result["rows"]}
+    slots = result["config"]["top_k"] * result["config"]["layers"]
+    assert result["config"]["staleness"] == [1, 3]
+    one, three = rows["stale", 1.0], rows["stale", 3.0]
+    assert 0 < one["expert_change"] < three["expert_change"]
+    for row in (one, three, rows["natural", 0.01]):
+        assert row["whole_dlogp_mean"] > 0 and row["dlogp_mean"] >= 0
+        if row["expert_change"] > 0:
+            assert row["dlogp_per_changed_expert"] == pytest.approx(row["dlogp_mean"] / (row["expert_change"] * slots))
+    assert "whole_dlogp_mean" not in rows["logit_noise", 0.3]  # an injection changes no weight
+    assert "| stale (k RL steps) | 3 |" in (tmp_path / "calibration.md").read_text()
+    assert (tmp_path / "staleness.png").stat().st_size > 10_000
+
+
+def test_noise_against_natural_damage_at_the_training_lr():
+    """The redone dose check: noise's damage per point (per changed expert, K and L cancelling) over the
+    natural update's at the training lr, by hand; nan without that row or without change."""
+    from moe_rl.calibrate import noise_vs_training_lr
+
+    natural = {"scale": 1e-4, "expert_change": 0.0013, "dlogp_mean": 0.0001}
+    noise = {"expert_change": 0.0795, "dlogp_mean": 0.0048}
+    assert noise_vs_training_lr(noise, natural) == pytest.approx((0.0048 / 0.0795) / (0.0001 / 0.0013), rel=1e-12)
+    assert math.isnan(noise_vs_training_lr(noise, None))
+    assert math.isnan(noise_vs_training_lr(noise, {**natural, "expert_change": 0.0}))
+
+
 def test_damage_per_point_of_expert_change():
     """Mean |Δ log π| over the change in percentage points; empty without a change."""
     from moe_rl.calibrate import damage_per_point
