@@ -198,6 +198,9 @@ REPORTS = (
                (*GROUPBY, "trainer.lr"), (EVAL, EVENTS_BY_KIND, GRAD, KL, CHANGE, EXTREMES, SEQ_EXTREMES)),
     ReportSpec("replay_staleness", "R2 vs R3 vs real staleness: replay arms x rollout.staleness",
                (*GROUPBY, "rollout.staleness"), (EVAL, VS_SAMPLER, LOGP_DIFF, KL, EVENTS_BY_KIND, EXTREMES)),
+    ReportSpec("stale_rivals", "Where GRPO fails (pre-registered): GSPO, replay and the rivals under real staleness",
+               (*GROUPBY, "rollout.staleness", "trainer.lr"),
+               (EVAL, VS_SAMPLER, MISMATCH_KL, MISMATCH_TOKENS, RIVALS, KL, EVENTS_BY_KIND, EXTREMES)),
 )  # fmt: skip
 
 
