@@ -74,6 +74,6 @@ def test_verdict_table_holm_column_is_holm_of_its_own_p_values():
     text = (REPO / "docs/results.md").read_text()
     table = text.split("## Verdicts", 1)[1].split("\n\n", 2)[1]
     cells = re.findall(r"p = ([0-9.]+) → Holm ([0-9.]+) \|", table)
-    assert len(cells) == 11
+    assert len(cells) == 15
     adjusted = holm([float(p) for p, _ in cells])
     assert [f"{a:.2g}" for a in adjusted] == [h for _, h in cells]
