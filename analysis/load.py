@@ -166,11 +166,12 @@ def read_local_run(run_dir: Path) -> Run:
     summary, rows = read_run(run_dir)
     hydra_cfg = run_dir / ".hydra" / "config.yaml"
     if hydra_cfg.exists():
-        cfg = OmegaConf.load(hydra_cfg)
-        try:
-            config = OmegaConf.to_container(cfg, resolve=True)
-        except Exception:  # noqa: BLE001 - an interpolation needing Hydra's runtime: keep it as written
-            config = OmegaConf.to_container(cfg, resolve=False)
+        # A record is data: never resolve it. An interpolation such as ${oc.env:WANDB_API_KEY} in a config
+        # that came from elsewhere (an archive) would read this machine's environment into every table.
+        config = OmegaConf.to_container(OmegaConf.load(hydra_cfg), resolve=False)
+        if kept := interpolations(config):
+            warnings.warn(f"{hydra_cfg}: {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''} kept as written "
+                          "(an interpolation in a record is not resolved)", RuntimeWarning, stacklevel=2)
     else:
         config = _config_from_summary(summary)
     events_path = run_dir / "events.jsonl"
@@ -178,6 +179,15 @@ def read_local_run(run_dir: Path) -> Run:
     if events_path.exists():
         events = read_jsonl(events_path)
     return Run(config=config, rows=rows, events=events, source=str(run_dir), provenance=summary.get("provenance"))
+
+
+def interpolations(config: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of `config` (a plain container) whose value holds an unresolved `${...}`."""
+    if isinstance(config, dict):
+        return [k for key, v in config.items() for k in interpolations(v, f"{prefix}{key}.")]
+    if isinstance(config, list):
+        return [k for i, v in enumerate(config) for k in interpolations(v, f"{prefix}{i}.")]
+    return [prefix.rstrip(".")] if isinstance(config, str) and "${" in config else []
 
 
 def load_local(sweep_dirs: Iterable[Path], progress: bool = True) -> list[Run]:

@@ -570,3 +570,30 @@ def test_a_section_added_to_the_registry_appears_in_every_output(hand_sweep, tmp
     assert json.loads((tmp_path / "out" / "table.json").read_text())["seed_count"] == 4
     assert "## Seeds\n\nHow many runs.\n\n4 runs\n\n## Figures" in text and "![seed_count](seed_count.png)" in text
     assert "Never" not in text and not (tmp_path / "out" / "never.md").exists()
+
+
+def test_a_record_is_data_its_interpolations_are_never_resolved(tmp_path, monkeypatch):
+    """A record's .hydra/config.yaml holding ${oc.env:NAME} or a custom resolver (an archive from elsewhere)
+    is read as written, with one warning naming the keys: the analyst's environment variable reaches neither
+    the loaded config nor report.md / table.json, and an unknown resolver does not stop the analysis."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("MOE_RL_TEST_SECRET", "s3cr3t-value")
+    if not OmegaConf.has_resolver("moe_rl_test_leak"):
+        OmegaConf.register_new_resolver("moe_rl_test_leak", lambda: "resolved-by-analyst")
+    root = tmp_path / "sweep"
+    for seed in (0, 1):
+        config = run_config("grpo", seed, 1e-4)
+        config["logger"]["group"] = "${oc.env:MOE_RL_TEST_SECRET}"
+        config["experiment"] = "${moe_rl_test_leak:}"
+        if seed == 1:  # an unknown resolver too (run 0 has only resolvable ones, which a resolve would leak)
+            config["trainer"]["tag"] = "${no_such_resolver:x}"
+        write_run(root / f"run{seed}", config, run_metrics([0.1, 0.2]))
+    with pytest.warns(RuntimeWarning, match=r"logger\.group.*kept as written"):
+        run = read_local_run(root / "run0")
+    assert run.config["logger"]["group"] == "${oc.env:MOE_RL_TEST_SECRET}"
+    assert run.config["experiment"] == "${moe_rl_test_leak:}"
+    out = tmp_path / "report"
+    analyze_main([str(root), "--out", str(out), "--no-progress"])
+    written = "".join(p.read_text() for p in out.iterdir() if p.suffix in (".md", ".json"))
+    assert "s3cr3t-value" not in written and "resolved-by-analyst" not in written
