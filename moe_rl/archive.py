@@ -12,6 +12,11 @@ and unpack them into the sweep folder of a later sitting, on a machine that kept
 - **Nothing is replaced.** `pack` refuses an output that exists; `unpack` refuses, before it writes
   anything, a file that exists with other bytes (equal ones are skipped), and any member outside the
   folder. A run already in a `--skip` archive is left out of a new one, so each sitting adds its own.
+- **Untrusted input is bounded.** `unpack` refuses, before it writes anything, a member larger than
+  `--max-member-mb` (64 by default; a record is about 0.1 MB) or archives that would write more than
+  `--max-total-mb` (1024) in all, a member whose name normalises to a folder (`run0/.`), and a destination
+  reached through a symbolic link or through a path component that is a file. It streams each member in
+  chunks, twice (a hash to compare, then the write), and never holds one in memory.
 - **A sweep over unpacked runs leaves them as they are.** `resume=true` finds a finished run without
   checkpoints and returns its summary, once its recorded config matches the job's
   (moe_rl.trainer.checkpoint.finished_without_checkpoint); the unfinished jobs run.
@@ -20,7 +25,9 @@ and unpack them into the sweep folder of a later sitting, on a machine that kept
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
+import shutil
 import sys
 import tarfile
 from collections.abc import Iterable, Sequence
@@ -87,42 +94,97 @@ def record_bytes(name: str, data: bytes) -> bytes:
     return data.replace(str(Path.home()).encode(), b"~") if name == "summary.json" else data
 
 
+MAX_MEMBER_MB = 64
+MAX_TOTAL_MB = 1024
+CHUNK = 1 << 20
+
+
 def _safe_name(name: str, archive: Path) -> PurePosixPath:
     path = PurePosixPath(name)
     if path.is_absolute() or ".." in path.parts:
         raise RunError(f"{archive}: member {name!r} lies outside the folder it unpacks into: refused")
+    if any(part in ("", ".") for part in name.split("/")):
+        raise RunError(f"{archive}: member {name!r} names a folder, not a file: refused")
     return path
 
 
-def unpack(archives: Sequence[Path], into: Path) -> tuple[int, int]:
+def _digest(stream) -> str:
+    h = hashlib.sha256()
+    while chunk := stream.read(CHUNK):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a file already in the folder, as archived (record_bytes: summary.json's home folder as ~)."""
+    if path.name == "summary.json":  # small, and compared as pack would write it
+        return hashlib.sha256(record_bytes(path.name, path.read_bytes())).hexdigest()
+    with path.open("rb") as f:
+        return _digest(f)
+
+
+def _check_path(into: Path, dest: Path) -> None:
+    """RunError when a component of `dest` below `into` is a symbolic link, or a file where a folder must be."""
+    here = into
+    parts = dest.relative_to(into).parts
+    for i, part in enumerate(parts):
+        here = here / part
+        if here.is_symlink():
+            raise RunError(f"{here} is a symbolic link: nothing unpacked through it")
+        if i < len(parts) - 1 and here.exists() and not here.is_dir():
+            raise RunError(f"{here} is a file where {dest} needs a folder: nothing unpacked")
+
+
+def unpack(archives: Sequence[Path], into: Path, max_member_mb: float = MAX_MEMBER_MB,
+           max_total_mb: float = MAX_TOTAL_MB) -> tuple[int, int]:
     """Extract `archives` into `into`; returns (files written, files already there with the same bytes).
-    RunError, before anything is written, for a member that is not a plain file inside `into` or whose
-    destination holds other bytes."""
-    plan: dict[Path, bytes] = {}
+    RunError, before anything is written, for a member that is not a plain file inside `into`, one larger
+    than `max_member_mb`, archives over `max_total_mb` in all, a destination holding other bytes or reached
+    through a symbolic link or a file. Members are streamed, never read whole."""
+    plan: dict[Path, tuple[str, Path, str]] = {}  # dest -> (digest, archive, member name)
+    total = 0.0
     for archive in archives:
         with tarfile.open(archive, "r:*") as tar:
-            for member in tar.getmembers():
+            for member in tar:
                 if member.isdir():
                     continue
                 rel = _safe_name(member.name, archive)
                 if not member.isfile():
                     raise RunError(f"{archive}: member {member.name!r} is not a plain file: refused")
-                data = tar.extractfile(member).read()
+                size_mb = member.size / 1e6
+                if size_mb > max_member_mb:
+                    raise RunError(f"{archive}: member {member.name!r} is {size_mb:.1f} MB, over --max-member-mb="
+                                   f"{max_member_mb:g} (a run record is about 0.1 MB): nothing unpacked")
+                total += size_mb
+                if total > max_total_mb:
+                    raise RunError(f"{archive}: the archives hold over --max-total-mb={max_total_mb:g} MB: "
+                                   "nothing unpacked")
                 dest = into / rel
-                if plan.get(dest, data) != data:
+                digest = _digest(tar.extractfile(member))
+                if plan.get(dest, (digest,))[0] != digest:
                     raise RunError(f"{dest}: two archives hold different bytes for it: nothing unpacked")
-                plan[dest] = data
-    clashes = [d for d, data in plan.items() if d.exists() and record_bytes(d.name, d.read_bytes()) != data]
+                plan[dest] = (digest, archive, member.name)
+    for dest in plan:
+        _check_path(into, dest)
+    clashes = [d for d, (digest, _, _) in plan.items() if d.exists() and _file_digest(d) != digest]
     if clashes:
         raise RunError(f"{clashes[0]} exists with other bytes ({len(clashes)} file(s) in all): nothing unpacked; "
                        "unpack into another folder")
-    written = 0
-    for dest, data in plan.items():
-        if dest.exists():
-            continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(data)
-        written += 1
+    todo = {d: v for d, v in plan.items() if not d.exists()}
+    written = len(todo)
+    for archive in archives:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar:
+                dest = into / member.name if member.isfile() else None
+                if dest not in todo or todo[dest][1] != archive or todo[dest][2] != member.name:
+                    continue
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(dest.name + ".unpacking")
+                with tar.extractfile(member) as src, tmp.open("wb") as out:
+                    shutil.copyfileobj(src, out, CHUNK)
+                tmp.replace(dest)
+                del todo[dest]
+    assert not todo, f"members not found again on the second pass: {sorted(todo)[:3]}"
     return written, len(plan) - written
 
 
@@ -136,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     u = sub.add_parser("unpack", help="unpack archives into a sweep folder, replacing nothing")
     u.add_argument("archives", type=Path, nargs="+")
     u.add_argument("--into", type=Path, required=True)
+    u.add_argument("--max-member-mb", type=float, default=MAX_MEMBER_MB, help="refuse a larger member (default 64)")
+    u.add_argument("--max-total-mb", type=float, default=MAX_TOTAL_MB, help="refuse more in all (default 1024)")
     args = parser.parse_args(argv)
     try:
         if args.command == "pack":
@@ -143,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             size = f"{args.out.stat().st_size / 1e6:.2f} MB" if runs else "nothing new to pack, no file written"
             print(f"{args.out}: {len(runs)} finished run(s) ({size})")
         else:
-            written, same = unpack(args.archives, args.into)
+            written, same = unpack(args.archives, args.into, args.max_member_mb, args.max_total_mb)
             runs = len(archived_runs(args.archives))
             print(f"{args.into}: {runs} run(s) from {len(args.archives)} archive(s), {written} file(s) written, "
                   f"{same} already there")

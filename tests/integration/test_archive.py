@@ -86,3 +86,52 @@ def test_each_sitting_packs_only_its_new_runs_and_nothing_is_replaced(sweep, tmp
         unpack([evil], tmp_path / "elsewhere")
     assert not (tmp_path / "outside.txt").exists() and not (tmp_path / "elsewhere").exists()
     assert main(["unpack", str(evil), "--into", str(tmp_path / "x")]) == 1
+
+
+def _archive(path: Path, members: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w:xz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_unpacking_untrusted_archives_is_bounded(tmp_path, capsys):
+    """Issue 56: a small archive holding a member past --max-member-mb (here 5 MB of zeros in a few KB) or
+    past --max-total-mb in all is refused before anything is written, in one line, and a raised cap lets
+    it through; a member named `run0/.` (a folder) is refused, so no later archive trips over a file `run0`."""
+    bomb = _archive(tmp_path / "bomb.tar.xz", {"run0/metrics.jsonl": bytes(5_000_000)})
+    assert bomb.stat().st_size < 10_000
+    into = tmp_path / "into"
+    assert main(["unpack", str(bomb), "--into", str(into), "--max-member-mb", "1"]) == 1
+    assert "over --max-member-mb=1" in capsys.readouterr().err and not into.exists()
+    two = _archive(tmp_path / "two.tar.xz", {"a/metrics.jsonl": bytes(600_000), "b/metrics.jsonl": bytes(600_000)})
+    with pytest.raises(RunError, match="over --max-total-mb=1 MB"):
+        unpack([two], into, max_member_mb=1, max_total_mb=1)
+    assert not into.exists()
+    assert unpack([bomb], into, max_member_mb=6) == (1, 0)
+    assert (into / "run0" / "metrics.jsonl").stat().st_size == 5_000_000
+    dot = _archive(tmp_path / "dot.tar.xz", {"run1/.": b"x"})
+    with pytest.raises(RunError, match=r"'run1/\.' names a folder"):
+        unpack([dot], into)
+    assert not (into / "run1").exists()
+
+
+def test_unpacking_never_writes_through_a_link_or_a_file_in_the_path(tmp_path):
+    """A symbolic link inside the target folder pointing outside, or a file where a folder must be, stops
+    the unpack before anything is written: nothing lands outside, nothing is replaced."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    into = tmp_path / "into"
+    into.mkdir()
+    (into / "run0").symlink_to(outside, target_is_directory=True)
+    archive = _archive(tmp_path / "a.tar.xz", {"run0/metrics.jsonl": b"{}\n", "run9/summary.json": b"{}"})
+    with pytest.raises(RunError, match=r"run0 is a symbolic link"):
+        unpack([archive], into)
+    assert list(outside.iterdir()) == [] and not (into / "run9").exists()
+    (into / "run0").unlink()
+    (into / "run0").write_text("a file")
+    with pytest.raises(RunError, match=r"run0 is a file where"):
+        unpack([archive], into)
+    assert (into / "run0").read_text() == "a file" and not (into / "run9").exists()
