@@ -10,6 +10,12 @@
 - **A run id.** Each run has an id, kept in `<run>/run_id.txt` and written into each of its checkpoints
   and its summary; a resume never loads a checkpoint of another id (moe_rl.trainer.checkpoint).
 
+- **A sweep folder is owned the same way** (`SweepFolderCallback`, a Hydra callback in conf/config.yaml):
+  before Hydra writes anything into `hydra.sweep.dir`, a sweep takes its lock `<sweep>/.moe-rl-sweep.lock`
+  for its whole life, and a sweep into a folder that already holds one (its `multirun.yaml`) is refused
+  unless `resume=true` (a sweep in sittings). A refused sweep exits in one line and writes nothing there:
+  the other sweep's job folders and `multirun.yaml` stay byte for byte.
+
 The lock and owner files are bookkeeping: a refused run may recreate them, and nothing else in the
 folder changes.
 """
@@ -20,12 +26,14 @@ import contextlib
 import os
 import shutil
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path, PurePath
 
 from filelock import FileLock, Timeout
+from hydra.experimental.callback import Callback
 
 from moe_rl.errors import RunError
 from moe_rl.trainer.checkpoint import CHECKPOINT, CORRUPT, PREVIOUS, TMP
@@ -153,3 +161,66 @@ def folder_run_id(run_dir: Path) -> str | None:
     path = run_dir / RUN_ID
     text = path.read_text().strip() if path.is_file() else ""
     return text or None
+
+
+SWEEP_LOCK = ".moe-rl-sweep.lock"
+SWEEP_OWNER = ".moe-rl-sweep.owner"
+
+
+class SweepFolderCallback(Callback):
+    """Hydra callback: own `hydra.sweep.dir` from the sweep's start to its end (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock: FileLock | None = None
+
+    def __getstate__(self) -> dict:
+        """Launchers pickle the callbacks into every job: the lock stays with the sweep's own process."""
+        return {**self.__dict__, "_lock": None}
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        problem = sweep_problem(sweep, resume=bool(config.get("resume", False)))
+        if problem is None:
+            sweep.mkdir(parents=True, exist_ok=True)
+            self._lock = FileLock(str(sweep / SWEEP_LOCK), timeout=0)
+            try:
+                self._lock.acquire()
+                (sweep / SWEEP_OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
+            except Timeout:  # taken between the check and here
+                self._lock, problem = None, _in_use(sweep)
+        if problem is not None:
+            print(f"moe-rl-train: {problem}", file=sys.stderr)
+            sys.exit(2)
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        if self._lock is not None:
+            (Path(config.hydra.sweep.dir) / SWEEP_OWNER).unlink(missing_ok=True)
+            self._lock.release()
+            self._lock = None
+
+
+def _in_use(sweep: Path) -> str:
+    try:
+        pid, _, host = (sweep / SWEEP_OWNER).read_text().strip().partition(" ")
+    except OSError:
+        pid, host = "unknown", ""
+    where = f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
+    return (f"{sweep} is in use by another sweep ({where}): wait for it to end, or give this sweep a folder of "
+            "its own (hydra.sweep.dir=...)")
+
+
+def sweep_problem(sweep: Path, resume: bool) -> str | None:
+    """Why a sweep must not start in `sweep`, or None: another live sweep holds its lock, or it holds a
+    sweep (its multirun.yaml) and `resume` is off. Reads, writes nothing."""
+    if (sweep / SWEEP_LOCK).exists():
+        probe = FileLock(str(sweep / SWEEP_LOCK), timeout=0)
+        try:
+            probe.acquire()
+            probe.release()
+        except Timeout:
+            time.sleep(0.2)  # the holder writes its pid just after it takes the lock
+            return _in_use(sweep)
+    if (sweep / "multirun.yaml").exists() and not resume:
+        return (f"{sweep} already holds a sweep (multirun.yaml): add resume=true to continue it (its finished "
+                "runs are left as they are), or give this sweep a folder of its own (hydra.sweep.dir=...)")
+    return None

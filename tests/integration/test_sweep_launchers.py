@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,8 @@ def test_launcher_configs_compose(launcher, target):
 
 @pytest.mark.parametrize(
     "experiment, blind",
-    [(None, False), ("confirm_sort_long", True), ("confirm_sort_long__gspo_lr2e4", True), ("router_lr_own_lr", True)],
+    [(None, False), ("confirm_sort_long", True), ("confirm_sort_long__gspo_lr2e4", True), ("router_lr_own_lr", True),
+     ("stale_rivals", True), ("stale_rivals__lr", True)],
 )
 def test_pre_registered_sweep_is_blind(experiment, blind):
     """The pre-registered sweep's end-of-sweep callback prints counts, not its comparison table; others print it."""
@@ -120,3 +122,40 @@ def test_joblib_sweep_keeps_good_results_and_records_the_failed_job(tmp_path):
         summary = json.loads((jobs[good] / "summary.json").read_text())
         assert summary["steps_done"] == 1 and not (jobs[good] / "failed.json").exists()
     _check_failed(jobs["5.0"])
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (lock bookkeeping aside) and its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.startswith(".moe-rl")}
+
+
+@pytest.mark.slow
+def test_a_sweep_folder_is_owned_like_a_run_folder(tmp_path):
+    """Issue 56: a second sweep into the folder of a running sweep, and a fresh sweep into a finished sweep's
+    folder, exit 2 in one line before writing anything: the first sweep finishes cleanly (rc 0, no
+    failed.json) and its files stay byte for byte; resume=true continues a finished sweep (sittings)."""
+    sweep, env = tmp_path / "sweep", {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "moe_rl.train", "-m", *SWEEP, "trainer.steps=3", f"hydra.sweep.dir={sweep}"]
+    # four jobs one after another: the first sweep is still running when the second has started up
+    first = subprocess.Popen([*cmd, "seed=0,1,2,3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):  # until the first sweep owns its folder
+        if (sweep / ".moe-rl-sweep.owner").exists() or first.poll() is not None:
+            break
+        time.sleep(0.1)
+    second = subprocess.run([*cmd, "seed=5,6"], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2, second.stderr[-2000:]
+    lines = [x for x in second.stderr.splitlines() if x.startswith("moe-rl-train:")]
+    assert len(lines) == 1 and "in use by another sweep" in lines[0]
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert not list(sweep.rglob("failed.json")) and "seed=5" not in (sweep / "multirun.yaml").read_text()
+    before = _tree(sweep)
+    again = subprocess.run([*cmd, "seed=0,1,2,3"], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "already holds a sweep" in again.stderr
+    assert _tree(sweep) == before
+    resumed = subprocess.run([*cmd, "seed=0,1,2,3", "resume=true"], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert {k: v for k, v in _tree(sweep).items() if k.endswith(("metrics.jsonl", "summary.json"))} == {
+        k: v for k, v in before.items() if k.endswith(("metrics.jsonl", "summary.json"))}
