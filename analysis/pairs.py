@@ -126,11 +126,15 @@ def per_seed_values(runs: list[Run], quantities: dict[str, Any]) -> dict[str, li
 
 
 def check_pairs(groups: Groups, extra: tuple[tuple[str, str], ...]) -> None:
-    """Raises ValueError naming each label of `extra` that is not a group, and the groups there are."""
+    """Raises ValueError naming each label of `extra` that is not a group (and the groups there are), or a
+    pair of a group with itself."""
     unknown = [label for pair in extra for label in pair if label not in groups]
     if unknown:
         raise ValueError(f"--pair: no group {', '.join(map(repr, unknown))}; the groups are "
                          f"{', '.join(map(repr, groups))}")
+    same = [a for a, b in extra if a == b]
+    if same:
+        raise ValueError(f"--pair {same[0]!r} {same[0]!r}: a group against itself compares nothing; name two groups")
 
 
 def pairwise(

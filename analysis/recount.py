@@ -38,7 +38,7 @@ def replayed_events(run: Run, cfg: CollapseConfig | None = None) -> list[Collaps
     det = CollapseDetector(dataclasses.replace(cfg, warmup_steps=warmup))
     # Unknown sizes give a NaN fallback error: those steps are then not observations.
     prompts = flat.get("trainer.prompts_per_step", math.nan)
-    expected_size = flat.get("eval.expected_size", math.nan)
+    expected_size = flat.get("eval.expected_size", math.nan) or math.nan  # 0: expected accuracy was off
     for row in run.rows:
         step = int(row["step"])
         if step >= warmup and "rollout/reward/mean" in row:

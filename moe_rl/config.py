@@ -27,6 +27,8 @@ REPLAY_SOURCES = ("off", "old", "rollout")
 NOISE_GROWTH = ("sqrt", "constant")
 NOISE_SCOPES = ("update", "trainer")
 PARALLEL = ("ddp", "fsdp")
+MAX_ROUTER_LR_SCALE = 1000.0
+"""trainer.router_lr_scale's bound: far past any dose studied (30), short of an lr that only breaks a run."""
 ESS_RULES = ("off", "sqrt", "linear")
 """trainer.ess_step_scale values (moe_rl/trainer/ess_scale.py)."""
 WANDB_MODES = ("offline", "online", "disabled")
@@ -166,7 +168,8 @@ class TrainerConfig:
     modules `moe_rl.routing.RoutingController` instruments) goes into its own AdamW parameter group at
     lr x this, with the same warmup. A natural volatility dose: gradient-driven re-routing that persists and
     that the sampler and eval see, raising expert change without raising the rest of the step. 1 (default):
-    one parameter group, exactly the optimizer of runs before this field. `train/lr` stays the non-router lr."""
+    one parameter group, exactly the optimizer of runs before this field. `train/lr` stays the non-router lr.
+    At most MAX_ROUTER_LR_SCALE (1000)."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; null turns clipping off (the norm before clipping is
     logged either way: train/grad_norm, and how often and how much clipping acted)."""
@@ -227,10 +230,10 @@ class TrainerConfig:
             )
         if self.lr <= 0:
             raise ValueError(f"trainer.lr={self.lr}: must be > 0")
-        if not (math.isfinite(self.router_lr_scale) and self.router_lr_scale > 0):
+        if not (math.isfinite(self.router_lr_scale) and 0 < self.router_lr_scale <= MAX_ROUTER_LR_SCALE):
             raise ValueError(
-                f"trainer.router_lr_scale={self.router_lr_scale}: must be a finite number > 0 (the routers' lr "
-                "is trainer.lr x this; 1 trains them at trainer.lr)"
+                f"trainer.router_lr_scale={self.router_lr_scale}: must be in (0, {MAX_ROUTER_LR_SCALE:g}] (the routers' "
+                "lr is trainer.lr x this; 1 trains them at trainer.lr; the studies here use up to 30)"
             )
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"trainer.grad_clip={self.grad_clip}: must be > 0, or null for no clipping")
@@ -474,6 +477,9 @@ class CollapseConfig:
         if not self.ratio_max > 1:
             raise ValueError(f"collapse.ratio_max={self.ratio_max}: must be > 1")
         check_kinds("collapse.stop_kinds", self.stop_kinds)
+        if self.stop_on_collapse and not self.stop_kinds:
+            raise ValueError("collapse.stop_on_collapse=true with collapse.stop_kinds=[]: a stop that can never fire; "
+                             "name the kinds to stop on, or set collapse.stop_on_collapse=false")
 
 
 def check_kinds(name: str, kinds: list[str]) -> None:

@@ -100,6 +100,8 @@ INVALID = [
     ("sampler.engine=vllm trainer.reuse_sampler_logp=true", "trainer.reuse_sampler_logp"),
     ("sampler.tensor_parallel_size=2", "sampler.tensor_parallel_size"),
     ("sampler.engine=vllm sampler.tensor_parallel_size=0", "sampler.tensor_parallel_size"),
+    ("trainer.router_lr_scale=1e30", "trainer.router_lr_scale"),  # issue 56: routers at lr 1e26 refused
+    ("collapse.stop_on_collapse=true collapse.stop_kinds=[]", "collapse.stop_kinds"),  # a stop that never fires
 ]
 
 

@@ -66,3 +66,12 @@ def test_default_rule_is_what_recount_uses():
     run = recount(Run(config=_config(warmup=0), rows=rows, events=[], source="s"))
     assert run.events == [] and all(r["collapse/events"] == 0.0 for r in run.rows)
     assert asdict(CollapseConfig())["reward_window"] == 20 and math.isfinite(CollapseConfig().reward_arl0)
+
+
+def test_recount_without_expected_accuracy_is_no_division_by_zero():
+    """Issue 56: eval.expected_size=0 (expected accuracy off) recounts the reward rule and leaves the eval
+    rule without observations, instead of a ZeroDivisionError."""
+    rows = [{"step": t, "rollout/reward/mean": 0.4, "rollout/reward/std": 0.49, "collapse/events": 0.0,
+             "eval/expected_accuracy": 0.3} for t in range(30)]
+    run = recount(Run(config=_config(expected_size=0), rows=rows, events=[], source="synthetic"))
+    assert run.events == [] and run.rows[-1]["collapse/events"] == 0.0

@@ -465,3 +465,7 @@ def test_analyze_cli_pair_compares_groups_across_a_swept_field_and_names_an_unkn
     with pytest.raises(SystemExit, match=r"--pair: no group 'gspo lr=2e-4'; the groups are 'grpo"):
         analyze_main([str(tmp_path / "sweep"), "--out", str(tmp_path / "o2"), "--pair", "gspo lr=2e-4", shared])
     assert not (tmp_path / "o2" / "report.md").exists()
+    # issue 56: a group against itself compared nothing, silently; now it is one line, before any work
+    with pytest.raises(SystemExit, match=r"a group against itself compares nothing"):
+        analyze_main([str(tmp_path / "sweep"), "--out", str(tmp_path / "o3"), "--pair", shared, shared])
+    assert not (tmp_path / "o3" / "report.md").exists()
