@@ -8,7 +8,21 @@
 # An ablation may have parts that a single Hydra sweep cannot express (a cross product would repeat runs):
 # each conf/experiment/<name>__<part>.yaml is swept too, into multirun/<name>/<part>/, and analysed with it.
 set -euo pipefail
-name=${1:?usage: experiments/reproduce.sh NAME [HYDRA OVERRIDES...]}
+conf=$(dirname "$0")/../conf/experiment
+usage() {
+  echo "usage: experiments/reproduce.sh NAME [HYDRA OVERRIDES...]"
+  echo "ablations (conf/experiment/NAME.yaml; pre-registered studies run by their own drivers in experiments/):"
+  for f in "$conf"/*.yaml; do
+    n=$(basename "$f" .yaml)
+    [[ $n == *__* ]] && continue
+    printf '  %-24s %s\n' "$n" "$(grep -v '^# @package' "$f" | grep -m1 '^# ' | sed 's/^# //' | cut -c1-90)"
+  done
+}
+case ${1:-} in
+  ""|-h|--help) usage; [[ -n ${1:-} ]] && exit 0 || exit 2 ;;
+esac
+name=$1
+[[ -e $conf/$name.yaml ]] || { echo "experiments/reproduce.sh: no ablation '$name' (no conf/experiment/$name.yaml)" >&2; usage >&2; exit 2; }
 shift
 sweep_dir=multirun/$name
 moe-rl-train -m "+experiment=$name" "hydra.sweep.dir=$sweep_dir" "$@"
