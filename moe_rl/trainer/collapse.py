@@ -83,6 +83,7 @@ midpoint (1 + frac)/2 x its level, and `detail` {reference, sigma, cusum, h}.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 
 from moe_rl.config import COLLAPSE_KINDS, FAILURE_KINDS, CollapseConfig
@@ -139,6 +140,8 @@ class CollapseDetector:
     nonfinite_counts: dict[str, int] = field(default_factory=dict)
     """This step's skipped updates so far, by quantity; `observe` turns them into one event."""
     nonfinite_first: float = math.nan
+    nonfinite_said: bool = False
+    """Whether the run's first skipped update was said on the console (once per run)."""
 
     def __post_init__(self) -> None:
         c = self.cfg
@@ -152,6 +155,11 @@ class CollapseDetector:
         The step's notes become one `nonfinite` event when `observe` sees the step's metrics."""
         if not self.nonfinite_counts:
             self.nonfinite_first = value
+        if not self.nonfinite_said:  # once per run on the console; every one is an event in events.jsonl
+            self.nonfinite_said = True
+            warnings.warn(f"step {step}: {quantity} = {value}, not finite: the update is skipped and a nonfinite "
+                          "event logged (later ones only in events.jsonl); a reward or advantage too large to "
+                          "average (rollout/reward/mean) is one cause", RuntimeWarning, stacklevel=2)
         self.nonfinite_counts[quantity] = self.nonfinite_counts.get(quantity, 0) + 1
 
     def observe(self, step: int, metrics: dict[str, float]) -> list[CollapseEvent]:

@@ -64,3 +64,8 @@ def interrupted_on_wrong(prompt, response, example):
     if response == example["answer"]:
         return 1.0
     raise KeyboardInterrupt
+
+
+def huge(prompt, response, example):
+    """1e308, finite, but a group's mean of two overflows (issue 56's probe)."""
+    return 1e308

@@ -507,3 +507,23 @@ def test_own_data_two_steps(tmp_path, monkeypatch):
     warm = json.loads(next(tmp_path.glob("dataset-*/warmstart.json")).read_text())
     assert warm["steps"] == 0 and warm["data"]["verifier"] == "last_number" and len(warm["data"]["rows"]) == 64
     assert build_task(cfg.task).reward_can_fail
+
+
+def test_a_reward_whose_mean_overflows_is_said_once_and_every_update_skipped(tmp_path):
+    """Issue 56: a reward of 1e308 (finite) makes the group mean overflow: every update is skipped as a
+    nonfinite event in events.jsonl, the run finishes, and the console says so once (a RuntimeWarning),
+    not once per step and not never."""
+    import warnings
+
+    from moe_rl.trainer.run import train
+    from tests.integration.test_train_loop import TINY
+
+    cfg = compose_config(["task=dataset", f"task.path={EXAMPLE}", "task.reward_fn=tests.helpers.dataset_rewards:huge",
+                          "warmstart.enabled=false", *TINY, "trainer.steps=3", "logger.wandb=false"])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(cfg, tmp_path / "run")
+    said = [w for w in seen if "not finite: the update is skipped" in str(w.message)]
+    assert len(said) == 1
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "nonfinite"] == [0, 1, 2]
