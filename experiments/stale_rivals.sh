@@ -18,6 +18,7 @@ stage=${1:?usage: experiments/stale_rivals.sh lr|primary|secondary}
 sittings_begin stale_rivals
 python experiments/lib/preregistration.py check docs/preregistration/stale_rivals.md "$sweep" "$keep/records"
 common=(hydra/launcher=joblib_local trainer.threads=1 resume=true logger.progress=false)
+[[ $stage == lr ]] || common+=(logger.wandb=false)  # amendment 1: the profile's cut, which changes no number
 lr_of() { python -c "import json,sys; print(json.load(open('$keep/step_size.json'))['arms'][sys.argv[1]]['lr'])" "$1"; }
 case $stage in
   lr)

@@ -19,6 +19,9 @@ OVER_LIMIT = {
     # 9.6 MB per warm start of 96 runs (each run's metrics.jsonl keeps every step), 4 warm starts (38.3 MB),
     # and its report of 384 runs (2.4 MB; table.json keeps every run's values): 40.67 MB in all
     "replay_staleness": 1_350_000,  # 120 runs: table.json keeps every run's values
+    "stale_rivals": 2_400_000,  # the pre-registered study's step-size stage: 96 runs' records (2.17 MB), kept
+    # between sittings, and its calibration and expert-change figure (0.16 MB): 2.33 MB. Its test stages'
+    # records wait for a record store outside the tree (issue 54), not for a higher ceiling here
     "safety_nets": 1_450_000,
 }
 """Reports still over LIMIT, each with a ceiling in bytes. Their raw runs are not committed, so they cannot
