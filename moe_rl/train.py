@@ -110,7 +110,7 @@ def main(cfg: DictConfig) -> float:
     try:
         config = to_config(cfg)
         check_machine(config)
-        load_task(config)  # a dataset's file, fields, verifier and reward function, before anything runs
+        task = load_task(config)  # a dataset's file, fields, verifier and reward function, before anything runs
     except ValueError as err:
         print(f"moe-rl-train: invalid config: {err}", file=sys.stderr)
         if not sweeping:
@@ -128,7 +128,7 @@ def main(cfg: DictConfig) -> float:
 
     group = Path(hc.sweep.dir).name if sweeping else None
     try:
-        summary = train(config, run_dir, wandb_group=group, hydra_record=record)
+        summary = train(config, run_dir, wandb_group=group, hydra_record=record, task=task)  # built once
     except Exception as err:
         message = one_line(err)  # a corrupt checkpoint, a refused resume, a full disk: no traceback
         if sweeping and isinstance(err, FolderInUseError):  # another live run's folder: touch nothing there

@@ -136,13 +136,14 @@ def initial_policy(cfg: Config, progress: bool, task: Task | None = None):
     return model, tokenizer, ws
 
 
-def build_context(cfg: Config, dist: Dist | None = None) -> tuple[StepContext, dict]:
+def build_context(cfg: Config, dist: Dist | None = None, task: Task | None = None) -> tuple[StepContext, dict]:
     """Everything an RL step needs (the policy, its routers, the sampler, the optimiser, the RNGs), and
-    what the run reports of its warm start; under torchrun, this rank's share."""
+    what the run reports of its warm start; under torchrun, this rank's share. `task`: the run's task when
+    the entry point already built it (its start-up check), so a user's reward function is probed once."""
     dist = dist or Dist()
     check_launch(cfg, dist.world)  # before the warm start: a missing extra or launcher fails at once
     torch.manual_seed(cfg.seed)
-    task = load_task(cfg)
+    task = task if task is not None else load_task(cfg)
     model, tokenizer, ws = initial_policy(cfg, cfg.logger.progress and dist.main, task)
     check_chat_template(cfg, tokenizer)
     if cfg.model.router_dtype == "float32":
@@ -323,6 +324,7 @@ def train(
     *,
     wandb_group: str | None = None,
     hydra_record: dict[str, str] | None = None,
+    task: Task | None = None,
 ) -> dict:
     """Run RL as configured, writing metrics.jsonl, events.jsonl, summary.json and checkpoints to run_dir.
 
@@ -330,6 +332,7 @@ def train(
     refused unless cfg.overwrite (moe_rl.trainer.folder). `hydra_record` (Hydra's .hydra/*.yaml texts, from
     the entry point) is written once the run is accepted, so a refused run leaves the folder as it was.
     Under torchrun every rank calls this and gets the same summary; rank 0 writes (module docstring).
+    `task`: the run's task when the entry point built it for its start-up check (built once, probed once).
     """
     check_config(cfg)
     check_machine(cfg)
@@ -338,7 +341,7 @@ def train(
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
     run_dir = Path(dist.broadcast(str(run_dir)))  # Hydra's timestamped folder may differ by a second
     with _claim(run_dir, cfg, dist):
-        return _train(cfg, run_dir, dist, wandb_group, hydra_record or {})
+        return _train(cfg, run_dir, dist, wandb_group, hydra_record or {}, task)
 
 
 @contextlib.contextmanager
@@ -363,7 +366,8 @@ def _claim(run_dir: Path, cfg: Config, dist: Dist) -> Iterator[None]:
         yield
 
 
-def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydra_record: dict[str, str]) -> dict:
+def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydra_record: dict[str, str],
+           task: Task | None = None) -> dict:
     """`train` in a claimed folder."""
     # Before any compute or write: a refused resume or an unusable checkpoint stops here in one line.
     known_id = folder_run_id(run_dir)
@@ -407,7 +411,7 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
     if threads:
         torch.set_num_threads(threads)
     origin = provenance(cfg.trainer.device)  # after the thread count is set: it is part of the record
-    ctx, info = build_context(cfg, dist)
+    ctx, info = build_context(cfg, dist, task)
     start = _restore(ctx, state) if state else 0
     local = LocalLog(run_dir, resume_step=start if state else None) if dist.main else _NullLog()
     config_dict = dataclasses.asdict(cfg)

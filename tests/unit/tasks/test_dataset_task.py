@@ -527,3 +527,20 @@ def test_a_reward_whose_mean_overflows_is_said_once_and_every_update_skipped(tmp
     assert len(said) == 1
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["kind"] == "nonfinite"] == [0, 1, 2]
+
+
+def test_the_task_is_built_once_so_a_reward_that_exits_later_stops_in_one_line(tmp_path):
+    """Issue 56: the entry point's start-up check and the run share one task, so the reward function is
+    probed once; one that exits on its second call stops the run there, in one line naming it, without a
+    traceback (it used to be probed twice, and the second probe escaped as a 25-line Hydra traceback)."""
+    from tests.integration.test_train_loop import TINY
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.train", "task=dataset", f"task.path={EXAMPLE}",
+                           "task.reward_fn=tests.helpers.dataset_rewards_exit_second:fn", "warmstart.enabled=false",
+                           *TINY, "trainer.steps=1", "logger.wandb=false", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("moe-rl-train:") and "Warning" not in line]
+    assert len(lines) == 1 and "dataset_rewards_exit_second:fn" in lines[0] and "sys.exit(5)" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
