@@ -14,6 +14,11 @@ class RunError(RuntimeError):
     unusable cache); the message says what to do."""
 
 
+class LaunchError(RunError, ValueError):
+    """A configuration that the processes launched cannot run (too many for rollout.overlap, a world size a
+    batch or an engine cannot split), known only once they exist: one line, as a config error."""
+
+
 def one_line(err: BaseException) -> str | None:
     """The one-line message of a user-actionable error, or None for a bug (which keeps its traceback)."""
     if isinstance(err, RunError):

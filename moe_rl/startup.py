@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from moe_rl.config import Config, TrainerConfig
+from moe_rl.errors import LaunchError
 from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.tasks import DATASET, DatasetTask, Task, build_task, make_task
 from moe_rl.tasks.dataset import WARMSTART_PROBE_ROWS
@@ -76,22 +77,22 @@ def check_world(t: TrainerConfig, world: int) -> None:
     if world == 1:
         return
     if t.prompts_per_step % world:
-        raise ValueError(
+        raise LaunchError(
             f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by the {world} processes: "
             "each rank samples an equal share of whole prompt groups"
         )
     if t.group_minibatches and (t.prompts_per_step // world) % t.mini_batches:
-        raise ValueError(
+        raise LaunchError(
             f"trainer.group_minibatches=true: trainer.mini_batches={t.mini_batches} does not divide each "
             f"rank's prompts, prompts_per_step / processes = {t.prompts_per_step // world}"
         )
     if (t.prompts_per_step * t.group_size // world) % t.mini_batches:
-        raise ValueError(
+        raise LaunchError(
             f"trainer.mini_batches={t.mini_batches} does not divide each rank's rows "
             f"prompts_per_step * group_size / processes = {t.prompts_per_step * t.group_size // world}"
         )
     if t.parallel == "fsdp" and t.sampler_dtype is not None:
-        raise ValueError(
+        raise LaunchError(
             "trainer.sampler_dtype is not available with trainer.parallel=fsdp (a sharded policy)"
         )
 
@@ -107,20 +108,20 @@ def check_launch(cfg: Config, world: int) -> None:
         require_vllm()  # under torchrun, one engine per rank (moe_rl.trainer.run._vllm_engine)
         tp = cfg.sampler.tensor_parallel_size
         if world % tp:
-            raise ValueError(
+            raise LaunchError(
                 f"sampler.tensor_parallel_size={tp} does not divide the {world} process(es): each engine spans "
                 f"{tp} ranks, so launch a multiple of {tp} processes (torchrun --nproc_per_node) or set a divisor "
                 f"of {world}"
             )
     if cfg.rollout.overlap and world > 1:
-        raise ValueError(
+        raise LaunchError(
             f"rollout.overlap=true runs its background sampler in one process, not under torchrun with {world}: "
             "set rollout.overlap=false (deterministic staleness works under torchrun)"
         )
     t = cfg.trainer
     sharded = world > 1 and t.parallel == "fsdp"
     if sharded and t.master_weights and cfg.model.dtype in ("bfloat16", "float16"):
-        raise ValueError(
+        raise LaunchError(
             "trainer.master_weights=true is not supported with trainer.parallel=fsdp: set "
             "trainer.master_weights=false (FSDP2 keeps its shards in model.dtype)"
         )

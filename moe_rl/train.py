@@ -148,5 +148,29 @@ def main(cfg: DictConfig) -> float:
     return summary["final"].get("rollout/reward/mean", float("nan"))
 
 
-if __name__ == "__main__":
+def run_dir_problem(argv: list[str]) -> str | None:
+    """Why a `hydra.run.dir=` / `hydra.sweep.dir=` override cannot be a run folder (it, or a folder above
+    it, is a file), or None. Checked before Hydra, which would otherwise fail creating it with a traceback."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value:
+            continue
+        path = Path(value).expanduser()
+        for here in (path, *path.parents):
+            if here.exists() and not here.is_dir():
+                return f"{key}={value}: {here} is a file, not a folder; give the run a folder ({key}=...)"
+    return None
+
+
+def cli() -> None:
+    """The `moe-rl-train` command: `main`, after the checks Hydra's own start-up would fail on unreadably."""
+    one_line_warnings("moe-rl-train")
+    problem = run_dir_problem(sys.argv[1:])
+    if problem:
+        print(f"moe-rl-train: invalid config: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()
