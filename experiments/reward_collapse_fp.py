@@ -3,6 +3,7 @@ new, by simulation.
 
     python experiments/reward_collapse_fp.py                 # the tables in docs/reliability.md (1000 seeds), ~13 min
     python experiments/reward_collapse_fp.py --seeds 300     # quicker, noisier (± 0.013 at a rate of 0.05)
+    python experiments/reward_collapse_fp.py --full-grid --seeds 400   # false alarms over issue 56's grid
 
 Rewards. Each step's reward is the mean of P x G Bernoulli rewards (P prompts, G = 8 completions each).
 Prompts differ in difficulty: each prompt's success probability is drawn fresh every step from a Beta of
@@ -145,11 +146,45 @@ def eval_table(seeds: int, seed: int) -> list[str]:
     return out
 
 
+FULL_PS, FULL_ICCS, FULL_BATCHES = (0.05, 0.1, 0.2, 0.5, 0.8, 0.95), (0.0, 0.3, 0.6), ((4, 4), (8, 4), (8, 8), (16, 8))
+"""Issue 56's grid: rewards p from 0.05 to 0.95, rollouts from 4 x 4 up, intra-class correlation 0-0.6."""
+STATED_RATE = 0.05
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of k successes in n."""
+    p, d = k / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def full_grid_table(seeds: int, seed: int) -> list[str]:
+    """False alarms of the current rule per 500-step flat run over the full grid, each with its 95% Wilson
+    interval, and whether the stated rate (0.05) holds: "yes", "no" (the interval lies above it) or
+    "unclear" (the estimate is above it, the interval is not)."""
+    rng = np.random.default_rng(seed)
+    out = ["| batch | icc | p | false alarms per 500-step run [95% CI] | at or below 0.05 |", "|---|---|---|---|---|"]
+    cells = [(b, icc, p) for b in FULL_BATCHES for icc in FULL_ICCS for p in FULL_PS]
+    for (prompts, group), icc, p in tqdm(cells, desc="full grid"):
+        xs, ses = rewards(p, 500, prompts, group, icc, seeds, rng)
+        k = int(sum(math.isfinite(first_new(x, s)) for x, s in zip(xs, ses, strict=True)))
+        lo, hi = wilson(k, seeds)
+        verdict = "yes" if k / seeds <= STATED_RATE else ("no" if lo > STATED_RATE else "unclear")
+        out.append(f"| {prompts}x{group} | {icc:g} | {p:g} | {k / seeds:.3f} [{lo:.3f}, {hi:.3f}] | {verdict} |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--full-grid", action="store_true",
+                        help="only the current rule's false alarms over issue 56's grid (p 0.05-0.95, 4x4 up, icc 0-0.6)")
     args = parser.parse_args()
+    if args.full_grid:
+        print(f"reward_collapse: false alarms per 500-step flat run, full grid ({args.seeds} seeds each)\n")
+        print("\n".join(full_grid_table(args.seeds, args.seed)))
+        return
     fa, det = reward_tables(args.seeds, args.seed)
     ev = eval_table(args.seeds, args.seed + 1)
     print(f"reward_collapse: false alarms per run ({args.seeds} seeds each)\n")
