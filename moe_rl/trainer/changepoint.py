@@ -15,8 +15,14 @@ k = (1 − f) μ / (2σ) in units of σ, and the statistic is Page's CUSUM for a
 
 which fires when S_t > h. h is set from k so that, for Gaussian noise of known level, the average run
 length between false alarms of a level that never moves is `arl0` observations, by Siegmund's
-approximation ARL(k, h) ≈ (exp(2kb) − 2kb − 1) / (2k²), b = h + 1.166 (Siegmund 1985; ARL → b² as k → 0).
-The false-alarm probability over a run of T observations is then about T / arl0; the real one, with an
+approximation ARL(k, h) ≈ (exp(2kb) − 2kb − 1) / (2k²), b = h + 1.166 (Siegmund 1985; ARL → b² as k → 0),
+and, for the reward test, never below `min_h_per_k` · k = MIN_H_PER_K · k = 2k: one observation alone
+fires only below μ − 3kσ (0.25 μ at the default f = 0.5). Where the fall is large against the noise (k ≳ 1.4), Siegmund's h falls under 2k, to 0
+from k ≈ 5: the Gaussian tail then lets a single observation past the midpoint fire, and a mean reward of
+few groups near a bound (p ≥ 0.8 with ≤ 8 prompts) has a far heavier tail than that (one hard prompt of
+four halves the step's mean). The floor took false alarms per 500-step flat run there from 0.24-0.99 to
+0.00-0.07 while a fall to 0.25x is still found within 20 steps (issue 56; docs/reliability.md). The
+false-alarm probability over a run of T observations is then about T / arl0 or less; the real one, with an
 estimated reference and binomial rewards, is measured by simulation in experiments/reward_collapse_fp.py.
 
 Bookkeeping:
@@ -43,6 +49,10 @@ from dataclasses import dataclass, field
 
 SIEGMUND_OFFSET = 1.166
 """b = h + 1.166 in Siegmund's approximation: the correction for the overshoot of the boundary."""
+MIN_H_PER_K = 2.0
+"""The reward test's threshold floor in units of the allowance k (module docstring): no lone observation
+above μ − 3kσ fires it. The eval test keeps none (0): an evaluation's mean over 64-512 prompts has no such
+tail, and one evaluation every 10 steps is slow enough already."""
 
 
 def siegmund_arl(k: float, h: float) -> float:
@@ -88,6 +98,8 @@ class LevelDrop:
     """Average run length between false alarms the threshold is set for (observations)."""
     margin: float = 1.0
     """z: the reference level is taken z standard errors of its own mean below μ̂ (a lower bound)."""
+    min_h_per_k: float = 0.0
+    """The threshold's floor in units of k (MIN_H_PER_K for the reward test; 0: Siegmund's h alone)."""
     ref: list[list[float]] = field(default_factory=list)
     """The reference's last W observations, each [x, s²]."""
     excursion: list[list[float]] = field(default_factory=list)
@@ -106,7 +118,7 @@ class LevelDrop:
             return None
         k = (1 - self.frac) * mu / (2 * sigma)
         mu_lo = mu - self.margin * sigma / math.sqrt(len(self.ref))
-        return mu_lo, sigma, k, cusum_threshold(k, self.arl0)
+        return mu_lo, sigma, k, max(cusum_threshold(k, self.arl0), self.min_h_per_k * k)
 
     def update(self, x: float, se: float) -> bool:
         """Take one observation x with standard error se; True when the test fires (enters a drop)."""

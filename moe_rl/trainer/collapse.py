@@ -87,7 +87,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 
 from moe_rl.config import COLLAPSE_KINDS, FAILURE_KINDS, CollapseConfig
-from moe_rl.trainer.changepoint import LevelDrop
+from moe_rl.trainer.changepoint import MIN_H_PER_K, LevelDrop
 
 KINDS = COLLAPSE_KINDS
 assert set(FAILURE_KINDS) <= set(KINDS)
@@ -146,7 +146,7 @@ class CollapseDetector:
     def __post_init__(self) -> None:
         c = self.cfg
         if self.reward is None:
-            self.reward = LevelDrop(c.reward_frac, c.reward_window, c.reward_arl0, c.reward_margin)
+            self.reward = LevelDrop(c.reward_frac, c.reward_window, c.reward_arl0, c.reward_margin, MIN_H_PER_K)
         if self.eval is None:
             self.eval = LevelDrop(c.eval_frac, c.eval_window, c.eval_arl0, c.eval_margin)
 

@@ -15,7 +15,7 @@ from moe_rl.trainer.collapse import CollapseDetector
 from moe_rl.trainer.step_metrics import rollout_metrics
 
 
-def reference_cusum(xs, ses, frac, window, arl0, margin):
+def reference_cusum(xs, ses, frac, window, arl0, margin, min_h_per_k=2.0):
     """The rule as the module docstring states it, in plain float64 numpy: returns the indices that fire."""
     ref, exc, s, drop, fired = [], [], 0.0, False, []
     for t, (x, se) in enumerate(zip(xs, ses, strict=True)):
@@ -30,7 +30,7 @@ def reference_cusum(xs, ses, frac, window, arl0, margin):
             ref = (ref + [(x, se * se)])[-window:]
             continue
         k = (1 - frac) * mu / (2 * sigma)
-        h = reference_threshold(k, arl0)
+        h = max(reference_threshold(k, arl0), min_h_per_k * k)  # the reward test's floor: 2k
         s = max(0.0, s + (mu - margin * sigma / np.sqrt(window) - x) / sigma - k)
         if drop:
             if s == 0:
@@ -98,7 +98,7 @@ def test_rule_matches_the_float64_reference(icc, p, fall_to):
     xs, ses = simulated_rewards(p, 300, 16, 8, icc, seed=3, fall_at=80, fall_to=fall_to)
     xs = xs[:200] + [x / max(fall_to, 1e-9) if fall_to else p for x in xs[200:]]  # back up after step 200
     cfg = CollapseConfig()
-    test = LevelDrop(cfg.reward_frac, cfg.reward_window, cfg.reward_arl0, cfg.reward_margin)
+    test = LevelDrop(cfg.reward_frac, cfg.reward_window, cfg.reward_arl0, cfg.reward_margin, 2.0)
     fired = [t for t, (x, se) in enumerate(zip(xs, ses, strict=True)) if test.update(x, se)]
     assert fired == reference_cusum(xs, ses, cfg.reward_frac, cfg.reward_window, cfg.reward_arl0, cfg.reward_margin)
     if fall_to < 1:
@@ -208,3 +208,31 @@ def test_collapse_config_fails_naming_the_field():
                             ("collapse.stop_kinds=[collapse]", "collapse.stop_kinds")]:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             compose_config([override])
+
+
+def test_the_reward_tests_floor_needs_more_than_one_observation_past_the_midpoint():
+    """Issue 56: with the noise far smaller than the fall (Siegmund's h = 0), one observation at 0.4x the
+    reference fires a test without the floor, not the reward test's (h >= 2k: alone, only below 0.25x);
+    a second one fires it; one at 0.2x fires it at once."""
+    for floor, series, fires_at in ((0.0, [0.4] * 20 + [0.16], 20), (2.0, [0.4] * 20 + [0.16], None),
+                                    (2.0, [0.4] * 20 + [0.16, 0.16], 21), (2.0, [0.4] * 20 + [0.08], 20)):
+        test = LevelDrop(0.5, 20, 2e4, 1.0, floor)
+        fired = [t for t, x in enumerate(series) if test.update(x, 0.004)]
+        assert fired == ([] if fires_at is None else [fires_at]), (floor, series[20:])
+
+
+def test_flat_high_rewards_of_few_uneven_prompts_rarely_fire():
+    """The cell the fourth probe round found failing: reward 0.95, 4 prompts x 4, icc 0.6, where one hard
+    prompt halves a step's mean. Over 40 flat 300-step runs the detector fires on at most 2 (it fired on
+    nearly every run before the floor); a fall to 0.25x is still found within 20 steps in 38 of 40."""
+    cfg = CollapseConfig()
+    flat = falls = 0
+    for seed in range(40):
+        det = CollapseDetector(cfg)
+        xs, ses = simulated_rewards(0.95, 300, 4, 4, 0.6, seed)
+        flat += any(_observe(det, t, x, se) for t, (x, se) in enumerate(zip(xs, ses, strict=True)))
+        det = CollapseDetector(cfg)
+        xs, ses = simulated_rewards(0.95, 70, 4, 4, 0.6, 1000 + seed, fall_at=50, fall_to=0.25)
+        steps = [t for t, (x, se) in enumerate(zip(xs, ses, strict=True)) if _observe(det, t, x, se)]
+        falls += bool(steps) and 50 <= steps[0] < 70
+    assert flat <= 2 and falls >= 38
