@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from moe_rl.models.config import DTYPES, ModelConfig
-from moe_rl.objectives import SPECS, validate_config
+from moe_rl.objectives import OBJECTIVES, validate_config
 from moe_rl.objectives.config import ObjectiveConfig
 from moe_rl.rollout.sampler import SamplerConfig
 from moe_rl.tasks.config import DATASET, TaskConfig
@@ -601,7 +601,7 @@ class Config:
         self._validate_sampler_reuse()
         self._validate_router_dtype()
         self._validate_staleness()
-        if SPECS[self.objective.name].needs_topk and self.sampler.keep_sampling_mask:
+        if OBJECTIVES[self.objective.name].needs_topk and self.sampler.keep_sampling_mask:
             raise ValueError(
                 f"sampler.keep_sampling_mask=true renormalises π over the top-p support, and objective="
                 f"{self.objective.name}'s top-k divergence reads the policy over the whole vocabulary: set "

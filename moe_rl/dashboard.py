@@ -267,11 +267,6 @@ def report_specs(
     ]
 
 
-def panel_keys(panels: list[dict]) -> list[str]:
-    """Every metric key the panels plot (regexes not included)."""
-    return [key for panel in panels for key in panel["keys"]]
-
-
 def _line_plot(panel: dict) -> Any:
     import wandb_workspaces.reports.v2 as wr
 

@@ -159,15 +159,6 @@ def value(s: Stat) -> float:
     raise ValueError(f"unknown stat kind {s.kind!r}; expected one of {KINDS}")
 
 
-class Finished(dict):
-    """The finished float value of each stat (a plain metrics dict to read), keeping the stats themselves
-    (`.stats`, float parts) for an exact reduction later: the step's per-mini-batch metrics."""
-
-    def __init__(self, stats: Stats) -> None:
-        self.stats = to_floats(stats)
-        super().__init__({key: value(s) for key, s in self.stats.items()})
-
-
 def values(stats: Stats) -> dict[str, float]:
     """Every stat finished to a float (one device sync for the lot)."""
     return {key: value(s) for key, s in to_floats(stats).items()}

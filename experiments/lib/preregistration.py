@@ -14,7 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 
@@ -37,7 +37,7 @@ def problem(prereg: Path, sweep: Path, records: Path) -> str | None:
     stamps = []
     for archive in records.glob("*.tar.xz") if records.is_dir() else []:
         try:
-            stamps.append(datetime.strptime(archive.name[:16], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc).timestamp())
+            stamps.append(datetime.strptime(archive.name[:16], "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC).timestamp())
         except ValueError:
             return f"{archive}: not a sittings archive name (YYYYmmddTHHMMSSZ.tar.xz)"
     stamps += [p.stat().st_mtime for p in sweep.rglob("metrics.jsonl")] if sweep.is_dir() else []

@@ -35,8 +35,7 @@ Any other caller may use the keyword form, which builds the inputs and returns f
 
 Unknown keywords raise TypeError; values that cannot apply (loss_agg other than seq-mean-token-mean for
 gspo or gmpo, beta > 0 without ref_logp, a dual-clip constant for cispo or gmpo, rollout_is without
-sampler_logp) raise ValueError. `SPECS` (each name's `Objective`) states which options apply, for
-start-up validation of the config.
+sampler_logp) raise ValueError. Each name's `Objective` states which options apply, for start-up validation of the config.
 
 Options every objective takes (see common.py): `kl_estimator` ∈ {k1, k2, k3, low_var_kl} picks the
 penalty kl(logp, ref) in `beta · agg(kl)`, with δ = ref_logp − logp: k1 = −δ, k2 = δ²/2,
@@ -125,9 +124,6 @@ OBJECTIVES: dict[str, Objective] = {
               DPPO_TOPK_KL)
 }
 """The registry: the one lookup the trainer (and config validation) makes."""
-SPECS = OBJECTIVES
-"""Which options each objective gives a meaning to (its `Objective` fields); the same values as OBJECTIVES."""
-ObjectiveSpec = Objective
 VESPO_ROLLOUT_IS = ("none", "token_truncate", "token_mask")
 """The rollout IS modes VESPO folds into its log w (TRL refuses the others)."""
 
@@ -158,5 +154,5 @@ def validate_config(cfg: ObjectiveConfig) -> None:
                          f"into its weight, one of {VESPO_ROLLOUT_IS} (as TRL)")
 
 
-__all__ = ["OBJECTIVES", "SPECS", "Objective", "ObjectiveConfig", "ObjectiveInputs", "ObjectiveSpec", "TopK",
+__all__ = ["OBJECTIVES", "Objective", "ObjectiveConfig", "ObjectiveInputs", "TopK",
            "cispo", "gmpo", "group_advantages", "grpo", "gspo", "gspo_token", "validate_config"]

@@ -35,12 +35,7 @@ from torch import Tensor
 
 from moe_rl import reduction as S
 from moe_rl.objectives import diagnostics as D
-from moe_rl.objectives.config import ObjectiveConfig
-from moe_rl.objectives.topk import TopK
 from moe_rl.objectives.common import (
-    DEFAULT_EXTREME_BAND,
-    DEFAULT_EXTREME_WEIGHT_BAND,
-    DEFAULT_ICEPOP_BAND,
     LOG_RATIO_BOUND,
     SEQ_MEAN_TOKEN_MEAN,
     Aggregate,
@@ -53,6 +48,8 @@ from moe_rl.objectives.common import (
     seq_log_ratio,
     seq_mean,
 )
+from moe_rl.objectives.config import ObjectiveConfig
+from moe_rl.objectives.topk import TopK
 
 
 @dataclass(frozen=True)

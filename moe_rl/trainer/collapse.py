@@ -10,7 +10,7 @@ the paper is about, not a failure by itself (`ratio_blowup`).
 | `eval_regression` | the same test on `eval/expected_accuracy` with `eval/expected_accuracy/se` (over the eval prompts), one observation per evaluation: `eval_frac`, `eval_window` evaluations, `eval_arl0` evaluations between false alarms. Only where expected accuracy is logged (tasks with a canonical answer) | false alarms ≤ 0.001 over 51 simulated evaluations (docs/reliability.md) |
 | `entropy_collapse` | after `warmup_steps`, `rollout/entropy/mean` < `entropy_min`: the sampler has become all but deterministic | once in the committed reports (natural_balanced, a run whose accuracy went to 0) |
 | `nonfinite` | in some mini-batches of the step, the loss or gradient norm was NaN/inf (those updates are skipped); one event per step, its `detail` maps each non-finite quantity (`train/loss`, `train/grad_norm`) to the number of mini-batches where it was, `value` is the first non-finite value | never in the committed reports |
-| `ratio_blowup` (a mechanism signal) | `ratio/<r>/max` > `ratio_max` or `ratio/<r>/min` < 1 / `ratio_max` in any mini-batch, where r is the ratio the objective weights its gradient by (`SPECS[name].ratio`: `token` for grpo and cispo, `seq` for gspo, gspo_token and gmpo); a token extreme that a sequence objective averages away is not a blow-up of that objective. One event per step; `value` is the high extreme if it crossed, else the low one; `detail` says which side crossed and with which advantage sign (below) | often: see "How often ratio_blowup fires" below. It says a token ratio left [1/1000, 1000], which under a PPO clip mostly carries no gradient; it is not a collapse |
+| `ratio_blowup` (a mechanism signal) | `ratio/<r>/max` > `ratio_max` or `ratio/<r>/min` < 1 / `ratio_max` in any mini-batch, where r is the ratio the objective weights its gradient by (`OBJECTIVES[name].ratio`: `token` for grpo and cispo, `seq` for gspo, gspo_token and gmpo); a token extreme that a sequence objective averages away is not a blow-up of that objective. One event per step; `value` is the high extreme if it crossed, else the low one; `detail` says which side crossed and with which advantage sign (below) | often: see "How often ratio_blowup fires" below. It says a token ratio left [1/1000, 1000], which under a PPO clip mostly carries no gradient; it is not a collapse |
 
 A `ratio_blowup` event's `detail` maps `high` (the step's max ratio, if above `ratio_max`) and `low` (its
 min, if below 1 / `ratio_max`) to the extreme, and each side-and-sign cell that crossed too,
@@ -130,7 +130,7 @@ class CollapseDetector:
 
     cfg: CollapseConfig
     ratio: str = "token"
-    """Which ratio's extremes `ratio_blowup` watches: `token` or `seq` (the objective's, SPECS[name].ratio)."""
+    """Which ratio's extremes `ratio_blowup` watches: `token` or `seq` (the objective's, OBJECTIVES[name].ratio)."""
     reward: LevelDrop | None = None
     """The reward-collapse test (built from cfg)."""
     eval: LevelDrop | None = None

@@ -24,8 +24,6 @@ from moe_rl.objectives.common import LOG_RATIO_BOUND
 from moe_rl.trainer.distributed import Dist
 
 
-
-
 @torch.no_grad()
 def ess_factor(old_logp_bR: torch.Tensor, sampler_logp_bR: torch.Tensor, mask_bR: torch.Tensor, rule: str,
                dist: Dist) -> float:

@@ -31,7 +31,7 @@ from moe_rl.errors import RunError
 from moe_rl.models import build_model
 from moe_rl.models.build import unloadable
 from moe_rl.models.tokenizer import policy_tokenizer
-from moe_rl.objectives import SPECS
+from moe_rl.objectives import OBJECTIVES
 from moe_rl.provenance import provenance
 from moe_rl.rollout.vllm_engine import VllmEngine, write_checkpoint
 from moe_rl.routing import RoutingController, float32_routers
@@ -190,7 +190,7 @@ def build_context(cfg: Config, dist: Dist | None = None, task: Task | None = Non
         scheduler,
         sample_gen,
         torch.Generator().manual_seed(cfg.seed + 1),
-        CollapseDetector(cfg.collapse, ratio=SPECS[cfg.objective.name].ratio),
+        CollapseDetector(cfg.collapse, ratio=OBJECTIVES[cfg.objective.name].ratio),
         sampler,
         ref_model=ref,
         dist=dist,
@@ -211,7 +211,7 @@ def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws
              sample_gen: torch.Generator, dist: Dist, sharded: bool) -> Sampler:
     """The run's sampler (moe_rl.trainer.samplers): vLLM, a copy at trainer.sampler_dtype, or the policy."""
     t = cfg.trainer
-    topk = cfg.objective.topk if SPECS[cfg.objective.name].needs_topk else 0  # the DPPO top-k divergences
+    topk = cfg.objective.topk if OBJECTIVES[cfg.objective.name].needs_topk else 0  # the DPPO top-k divergences
     if cfg.sampler.engine == "vllm":
         return _stale(cfg, VllmSampler(draws, _vllm_engine(cfg, model, tokenizer, controller, dist, topk)))
     ro = cfg.rollout

@@ -115,8 +115,6 @@ class OverlapSampler:
         self._failed_at: int | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.resampled: range | None = None
-        """On a resume, the steps whose in-flight rollouts were lost and are sampled again."""
 
     def rollout(self, task: Task, step: int, shard: Shard) -> tuple[Rollout, Scores]:
         if self._thread is None:

@@ -42,8 +42,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from moe_rl import reduction as S
 from moe_rl.config import Config
 from moe_rl.objectives import OBJECTIVES, ObjectiveInputs, TopK
-from moe_rl.objectives.config import ObjectiveConfig
 from moe_rl.objectives.common import length_bins, length_sums
+from moe_rl.objectives.config import ObjectiveConfig
 from moe_rl.objectives.router_shift import router_shift_ratio
 from moe_rl.rollout import response_logprobs, response_logprobs_and_aux
 from moe_rl.routing import RoutingController, RoutingTrace

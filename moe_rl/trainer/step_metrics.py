@@ -128,7 +128,7 @@ def routing_metrics(
 def mismatch_metrics(
     trainer_logp_BR: torch.Tensor, sampler_logp_BR: torch.Tensor, entropy_BR: torch.Tensor, mask_BR: torch.Tensor
 ) -> S.Stats:
-    """The field's trainer-sampler health metrics on the sampled tokens, float64, each a sum and a count so
+    r"""The field's trainer-sampler health metrics on the sampled tokens, float64, each a sum and a count so
     they pool exactly over ranks. Δ = log π_train − log π_sampler, π_train the old-policy forward's
     log-probs (the trainer at the sampling step's weights, or the proximal policy under staleness):
 

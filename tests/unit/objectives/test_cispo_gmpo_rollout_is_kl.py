@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch.testing import assert_close
 
-from moe_rl.objectives import OBJECTIVES, SPECS
+from moe_rl.objectives import OBJECTIVES
 from moe_rl.objectives.common import KL_ESTIMATORS, ROLLOUT_IS_MODES
 
 NAMES = sorted(n for n in OBJECTIVES if n not in ("dppo_kl", "dppo_topk_tv", "dppo_topk_kl"))
@@ -271,7 +271,7 @@ def test_gmpo_equals_gspo_when_nothing_is_clipped():
 # --- dual-clip ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if SPECS[n].dual_clip])
+@pytest.mark.parametrize("name", [n for n in NAMES if OBJECTIVES[n].dual_clip])
 def test_dual_clip_matches_reference(name):
     """With clip_ratio_c, a negative advantage's loss is min(ℓ, −c·Â): value, gradient and clip/dual_frac."""
     logp, old, adv, mask, _, _ = make_batch(seed=7, gap=1.5)
@@ -304,7 +304,7 @@ def test_dual_clip_matches_reference(name):
     assert (grad_of(loss, logp)[capped] == 0).all()
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if SPECS[n].dual_clip])
+@pytest.mark.parametrize("name", [n for n in NAMES if OBJECTIVES[n].dual_clip])
 def test_dual_clip_changes_nothing_when_no_ratio_exceeds_c(name):
     """Dual-clip with c above every ratio gives bitwise the same loss as without, and dual_frac 0."""
     logp, old, adv, mask, _, _ = make_batch(seed=8, gap=0.05)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from moe_rl.objectives import OBJECTIVES, SPECS, group_advantages
+from moe_rl.objectives import OBJECTIVES, group_advantages
 
 TOPK = {n for n in OBJECTIVES if n.startswith("dppo_topk")}
 NAMES = sorted(set(OBJECTIVES) - TOPK)
@@ -270,7 +270,7 @@ def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)
 def test_metrics_match_reference(name, per_token):
     """Every documented metric is a Python float equal to its formula, with no gradient attached; the
     gradient-weight sums hold both extreme and ordinary entries under a narrow band."""
-    if per_token and SPECS[name].seq_advantages_only:
+    if per_token and OBJECTIVES[name].seq_advantages_only:
         pytest.skip(f"{name} takes per-sequence advantages only")
     logp, old, adv, mask, _ = make_batch(seed=4, per_token=per_token)
     old = torch.where(mask, old - 0.4 * torch.rand_like(old), old)  # push some ratios outside (0.5, 2)
@@ -346,7 +346,7 @@ def test_gspo_token_equals_gspo_for_sequence_advantages():
 @pytest.mark.parametrize("name", LOGP_ONLY)
 def test_masked_tokens_get_exactly_zero_gradient(name):
     """Padded tokens holding NaN/inf get exactly zero gradient, and loss and gradient stay finite."""
-    logp, old, adv, mask, ref = make_batch(seed=8, per_token=not SPECS[name].seq_advantages_only)
+    logp, old, adv, mask, ref = make_batch(seed=8, per_token=not OBJECTIVES[name].seq_advantages_only)
     loss, metrics = OBJECTIVES[name](logp, old, adv, mask, **CLIP, beta=0.1, ref_logp=ref)
     grad = grad_of(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -484,7 +484,7 @@ def test_unknown_option_raises_type_error(name):
         ("gspo", {"loss_agg": "token-mean"}),
         ("gspo_token", {"loss_agg": "token-mean"}),
         ("gspo", {"advantages": "per-token"}),
-        *[(n, {"clip_low": 1.0}) for n in NAMES if not SPECS[n].clip_low_may_be_one],
+        *[(n, {"clip_low": 1.0}) for n in NAMES if not OBJECTIVES[n].clip_low_may_be_one],
         ("cispo", {"clip_low": 1.01}),
         ("gmpo", {"loss_agg": "token-mean"}),
         ("gmpo", {"advantages": "per-token"}),

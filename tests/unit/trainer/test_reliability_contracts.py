@@ -347,12 +347,12 @@ def test_ratio_blowup_watches_the_ratio_the_objective_uses(objective, fires_on):
     """A token ratio of 1e4 inside sequences whose ratio stays near 1 is a blow-up for token-ratio objectives
     only; a sequence ratio of 1e4 is one for sequence-ratio objectives only."""
     from moe_rl.config import CollapseConfig
-    from moe_rl.objectives import SPECS
+    from moe_rl.objectives import OBJECTIVES
 
     base = {"rollout/reward/mean": 0.5, "rollout/entropy/mean": 1.0}
     for level in ("token", "seq"):
         other = "seq" if level == "token" else "token"
-        det = CollapseDetector(CollapseConfig(), ratio=SPECS[objective].ratio)
+        det = CollapseDetector(CollapseConfig(), ratio=OBJECTIVES[objective].ratio)
         metrics = {**base, **_extremes(level, 1e4, 0.5), **_extremes(other, 1.2, 0.9)}
         kinds = [e.kind for e in det.observe(0, metrics)]
         assert kinds == (["ratio_blowup"] if level == fires_on else []), (objective, level)
