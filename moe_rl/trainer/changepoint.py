@@ -17,13 +17,15 @@ which fires when S_t > h. h is set from k so that, for Gaussian noise of known l
 length between false alarms of a level that never moves is `arl0` observations, by Siegmund's
 approximation ARL(k, h) ≈ (exp(2kb) − 2kb − 1) / (2k²), b = h + 1.166 (Siegmund 1985; ARL → b² as k → 0),
 and, for the reward test, never below `min_h_per_k` · k = MIN_H_PER_K · k = 2k: one observation alone
-fires only below μ − 3kσ (0.25 μ at the default f = 0.5). Where the fall is large against the noise (k ≳ 1.4), Siegmund's h falls under 2k, to 0
-from k ≈ 5: the Gaussian tail then lets a single observation past the midpoint fire, and a mean reward of
-few groups near a bound (p ≥ 0.8 with ≤ 8 prompts) has a far heavier tail than that (one hard prompt of
-four halves the step's mean). The floor took false alarms per 500-step flat run there from 0.24-0.99 to
-0.00-0.07 while a fall to 0.25x is still found within 20 steps (issue 56; docs/reliability.md). The
-false-alarm probability over a run of T observations is then about T / arl0 or less; the real one, with an
-estimated reference and binomial rewards, is measured by simulation in experiments/reward_collapse_fp.py.
+fires only below μ − 3kσ (0.25 μ at the default f = 0.5). Where the fall is large against the noise (k ≳
+1.4), Siegmund's h falls under 2k, to 0 from k ≈ 5: the Gaussian tail then lets a single observation past
+the midpoint fire, and a mean reward of few groups near a bound (p ≥ 0.8 with ≤ 8 prompts) has a far
+heavier tail than that (one hard prompt of four halves the step's mean). The floor took false alarms per
+500-step flat run there from 0.07-0.97 to 0.00-0.01, bar 4 x 4 rollouts at p 0.8 (0.07 and 0.24 at icc
+0.3 and 0.6), while a fall to 0.25x is still found within 20 steps (issue 56; docs/reliability.md). The
+false-alarm probability over a run of T observations is then about T / arl0 or less; the real one, with
+an estimated reference and binomial rewards, is measured by simulation in
+experiments/reward_collapse_fp.py.
 
 Bookkeeping:
 - The first W observations fill the reference; nothing fires before.
