@@ -105,17 +105,22 @@ def test_rule_matches_the_float64_reference(icc, p, fall_to):
         assert fired and 80 <= fired[0] < 100  # the fall is found within 20 steps
 
 
-def test_flat_runs_rarely_fire_and_falls_are_found():
-    """Over 40 simulated 300-step runs at reward 0.2 (16 x 8, icc 0.3) the detector fires on at most 2 (its
-    measured rate is under 0.02); a fall to 0.25x at step 50 is found within 20 steps in at least 38 of 40."""
+@pytest.mark.parametrize("p, prompts, group, icc", [
+    (0.2, 16, 8, 0.3),  # the default scale: measured rate under 0.02
+    (0.95, 4, 4, 0.6),  # the cell the fourth probe round found failing (nearly every run fired before the floor)
+])
+def test_flat_runs_rarely_fire_and_falls_are_found(p, prompts, group, icc):
+    """Over 40 simulated flat 300-step runs the detector fires on at most 2; a fall to 0.25x at step 50 is
+    found within 20 steps in at least 38 of 40. At reward 0.95 with 4 prompts x 4 one hard prompt halves a
+    step's mean, which the threshold's 2k floor keeps from firing alone."""
     cfg = CollapseConfig()
     flat = falls = 0
     for seed in range(40):
         det = CollapseDetector(cfg)
-        xs, ses = simulated_rewards(0.2, 300, 16, 8, 0.3, seed)
+        xs, ses = simulated_rewards(p, 300, prompts, group, icc, seed)
         flat += any(_observe(det, t, x, se) for t, (x, se) in enumerate(zip(xs, ses, strict=True)))
         det = CollapseDetector(cfg)
-        xs, ses = simulated_rewards(0.2, 70, 16, 8, 0.3, 1000 + seed, fall_at=50, fall_to=0.25)
+        xs, ses = simulated_rewards(p, 70, prompts, group, icc, 1000 + seed, fall_at=50, fall_to=0.25)
         steps = [t for t, (x, se) in enumerate(zip(xs, ses, strict=True)) if _observe(det, t, x, se)]
         falls += bool(steps) and 50 <= steps[0] < 70
     assert flat <= 2 and falls >= 38
@@ -219,20 +224,3 @@ def test_the_reward_tests_floor_needs_more_than_one_observation_past_the_midpoin
         test = LevelDrop(0.5, 20, 2e4, 1.0, floor)
         fired = [t for t, x in enumerate(series) if test.update(x, 0.004)]
         assert fired == ([] if fires_at is None else [fires_at]), (floor, series[20:])
-
-
-def test_flat_high_rewards_of_few_uneven_prompts_rarely_fire():
-    """The cell the fourth probe round found failing: reward 0.95, 4 prompts x 4, icc 0.6, where one hard
-    prompt halves a step's mean. Over 40 flat 300-step runs the detector fires on at most 2 (it fired on
-    nearly every run before the floor); a fall to 0.25x is still found within 20 steps in 38 of 40."""
-    cfg = CollapseConfig()
-    flat = falls = 0
-    for seed in range(40):
-        det = CollapseDetector(cfg)
-        xs, ses = simulated_rewards(0.95, 300, 4, 4, 0.6, seed)
-        flat += any(_observe(det, t, x, se) for t, (x, se) in enumerate(zip(xs, ses, strict=True)))
-        det = CollapseDetector(cfg)
-        xs, ses = simulated_rewards(0.95, 70, 4, 4, 0.6, 1000 + seed, fall_at=50, fall_to=0.25)
-        steps = [t for t, (x, se) in enumerate(zip(xs, ses, strict=True)) if _observe(det, t, x, se)]
-        falls += bool(steps) and 50 <= steps[0] < 70
-    assert flat <= 2 and falls >= 38
