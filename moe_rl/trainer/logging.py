@@ -80,10 +80,14 @@ class LocalLog:
             f.write(to_json(event) + "\n")
 
 
-class NullWandb:
-    """Stands in when W&B is off: every call does nothing."""
+class NullSink:
+    """Stands in for a sink that writes nothing: W&B when it is off or cannot start, and the local log on
+    ranks other than 0. Every call does nothing; `log` takes either sink's arguments."""
 
-    def log(self, metrics: dict, step: int) -> None:
+    def log(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def event(self, event: dict) -> None:
         pass
 
     def summary(self, values: dict) -> None:
@@ -174,14 +178,14 @@ class Wandb:
         self._guard(self.run.finish)
 
 
-def open_wandb(run_dir: Path, config: dict, **kwargs: Any) -> Wandb | NullWandb:
-    """Start W&B, or return a NullWandb (with a warning) if it cannot start."""
+def open_wandb(run_dir: Path, config: dict, **kwargs: Any) -> Wandb | NullSink:
+    """Start W&B, or return a NullSink (with a warning) if it cannot start."""
     try:
         return Wandb(run_dir, config, **kwargs)
     except Exception as err:  # noqa: BLE001
         reason = " ".join(str(err).split())  # one line, whatever W&B's message looks like
         warnings.warn(f"W&B could not start ({reason}); training continues with local logs only", stacklevel=2)
-        return NullWandb()
+        return NullSink()
 
 
 class CollapseAlerts:
@@ -192,7 +196,7 @@ class CollapseAlerts:
     (a run that keeps failing sends one alert, not one per step). Each kind's tag is added once.
     """
 
-    def __init__(self, wb: Wandb | NullWandb, interval_s: float, kinds: Iterable[str], clock=time.monotonic) -> None:
+    def __init__(self, wb: Wandb | NullSink, interval_s: float, kinds: Iterable[str], clock=time.monotonic) -> None:
         self.wb, self.interval_s, self.kinds, self.clock = wb, interval_s, frozenset(kinds), clock
         self.last_sent: dict[str, float] = {}
         self.tagged: set[str] = set()

@@ -79,7 +79,7 @@ from moe_rl.trainer.folder import (
 from moe_rl.trainer.logging import (
     CollapseAlerts,
     LocalLog,
-    NullWandb,
+    NullSink,
     from_json_number,
     open_wandb,
     read_jsonl,
@@ -308,16 +308,6 @@ def _save(run_dir: Path, state: dict) -> None:
         raise RunError(f"could not write a checkpoint to {run_dir} ({err.strerror or err}); {then}") from err
 
 
-class _NullLog:
-    """Stands in for LocalLog on ranks other than 0, which write nothing."""
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        pass
-
-    def event(self, event: dict) -> None:
-        pass
-
-
 def train(
     cfg: Config,
     run_dir: Path,
@@ -413,10 +403,10 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
     origin = provenance(cfg.trainer.device)  # after the thread count is set: it is part of the record
     ctx, info = build_context(cfg, dist, task)
     start = _restore(ctx, state) if state else 0
-    local = LocalLog(run_dir, resume_step=start if state else None) if dist.main else _NullLog()
+    local = LocalLog(run_dir, resume_step=start if state else None) if dist.main else NullSink()
     config_dict = dataclasses.asdict(cfg)
     lg = cfg.logger
-    wb = NullWandb()
+    wb = NullSink()
     if dist.main and lg.wandb and lg.mode != "disabled":
         tags = [cfg.objective.preset, f"replay={cfg.routing.replay}", cfg.experiment, *lg.tags]
         wb = open_wandb(
@@ -430,7 +420,7 @@ def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydr
             tags=tags,
             init_timeout_s=lg.init_timeout_s,
         )
-    alerts = CollapseAlerts(wb if lg.alerts else NullWandb(), lg.alert_interval_s, lg.alert_kinds)
+    alerts = CollapseAlerts(wb if lg.alerts else NullSink(), lg.alert_interval_s, lg.alert_kinds)
     alerts.tag_past([dataclasses.asdict(e) for e in ctx.detector.events])
     stopped_on = None
     t0 = time.perf_counter()

@@ -95,7 +95,7 @@ def plant(point):
                 die()
         lg.Wandb.log = patched
     elif kind == "summary":  # after summary.json is written
-        run.NullWandb.summary = lambda self, values: die()
+        run.NullSink.summary = lambda self, values: die()
 
 for line in sys.stdin:
     point, log_path, argv = json.loads(line)
@@ -663,7 +663,7 @@ def test_unreachable_wandb_server_gives_up_within_the_timeout(tmp_path, fault_re
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
                           env=env, cwd=REPO)
     name, seconds = proc.stdout.split()
-    assert name == "NullWandb" and float(seconds) < 30, proc.stderr  # W&B's own default waits 90 s
+    assert name == "NullSink" and float(seconds) < 30, proc.stderr  # W&B's own default waits 90 s
     warning = next(line for line in proc.stderr.splitlines() if "W&B could not start" in line)
     fault_report("W&B server not answering (`logger.init_timeout_s=3`)",
                  re.sub(r"^.*UserWarning: ", "", warning) + f" (after {float(seconds):.0f} s)",
