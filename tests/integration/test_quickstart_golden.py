@@ -14,11 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.provenance import provenance
-
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "experiments"))
 from quickstart_golden import COMMAND, GOLDEN, MATCHING, measure, mismatches  # noqa: E402
+
+
+def _fresh_provenance() -> dict:
+    """The provenance a launched run sees: asked of a fresh interpreter, because this worker's thread count
+    is whatever an earlier test in it (an in-process run with trainer.threads=1) left behind."""
+    code = "import json; from moe_rl.provenance import provenance; print(json.dumps(provenance('cpu')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+                          cwd=REPO)
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 def _golden() -> dict:
@@ -39,7 +46,7 @@ def test_readme_quotes_the_golden_numbers():
 def test_quickstart_reproduces_the_golden_table(tmp_path):
     """The README's quickstart command, from an empty warm-start cache, gives the golden table and warm start to 1e-9 on a machine of the golden's provenance."""
     golden = _golden()
-    here = provenance("cpu")
+    here = _fresh_provenance()
     differ = [f"{k} {here[k]} (golden: {golden['provenance'][k]})" for k in MATCHING if here[k] != golden["provenance"][k]]
     if differ:
         pytest.skip("one run's numbers hold only on the golden's provenance; here: " + ", ".join(differ))
