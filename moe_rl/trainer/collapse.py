@@ -221,10 +221,12 @@ class CollapseDetector:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from `state_dict()`."""
+        """Restore from `state_dict()`. A test's field the checkpoint predates (`min_h_per_k`) keeps the value
+        this detector was built with from its config, not the dataclass default."""
+        tests = [LevelDrop(**{**asdict(t), **state[n]}) for t, n in ((self.reward, "reward"), (self.eval, "eval"))]
         for key, value in state.items():
             setattr(self, key, value)
-        self.reward, self.eval = LevelDrop(**state["reward"]), LevelDrop(**state["eval"])
+        self.reward, self.eval = tests
         self.events = [CollapseEvent(**e) for e in state["events"]]
 
 

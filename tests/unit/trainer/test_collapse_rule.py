@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_rl.config import CollapseConfig
-from moe_rl.trainer.changepoint import LevelDrop, cusum_threshold, siegmund_arl
+from moe_rl.trainer.changepoint import MIN_H_PER_K, LevelDrop, cusum_threshold, siegmund_arl
 from moe_rl.trainer.collapse import CollapseDetector
 from moe_rl.trainer.step_metrics import rollout_metrics
 
@@ -224,3 +224,15 @@ def test_the_reward_tests_floor_needs_more_than_one_observation_past_the_midpoin
         test = LevelDrop(0.5, 20, 2e4, 1.0, floor)
         fired = [t for t, x in enumerate(series) if test.update(x, 0.004)]
         assert fired == ([] if fires_at is None else [fires_at]), (floor, series[20:])
+
+
+def test_a_checkpoint_from_before_the_floor_resumes_with_it():
+    """A detector state saved before `min_h_per_k` existed resumes with the reward test's floor (MIN_H_PER_K)
+    and the eval test's none, not the dataclass default for both."""
+    det = CollapseDetector(CollapseConfig())
+    state = det.state_dict()
+    for name in ("reward", "eval"):
+        del state[name]["min_h_per_k"]
+    resumed = CollapseDetector(CollapseConfig())
+    resumed.load_state_dict(state)
+    assert (resumed.reward.min_h_per_k, resumed.eval.min_h_per_k) == (MIN_H_PER_K, 0.0) and MIN_H_PER_K > 0
