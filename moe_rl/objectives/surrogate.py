@@ -252,7 +252,7 @@ def prepare(x: ObjectiveInputs, aggregate: Aggregate) -> Prepared:
 
 def compute(obj: Objective, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
     """The one surrogate (see the module docstring): ratio, surrogate, correction, aggregation, KL, stats."""
-    loss_agg = x.cfg.loss_agg or obj.default_loss_agg
+    loss_agg = x.cfg.loss_agg  # Objective.inputs fills in the objective's default
     check(obj, x, loss_agg)
     p = prepare(x, aggregation(loss_agg, x.max_len))
     mask_BT = p.mask_BT

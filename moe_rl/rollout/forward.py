@@ -22,12 +22,16 @@ def position_ids_from_mask(mask_BS: torch.Tensor) -> torch.Tensor:
     return (mask_BS.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def token_logprobs(logits_BRV: torch.Tensor, tokens_BR: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature)[token] in float32, without materialising a float64 vocabulary tensor."""
+def token_logprobs(logits_BRV: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] in float32, without materialising a float64 vocabulary tensor.
+    `tokens`: `[B, R]` (one token per position) or `[B, R, K]` (K per position, e.g. the sampler's top-k)."""
     logits = logits_BRV.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return logits.gather(-1, tokens_BR.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lse_BR = torch.logsumexp(logits, dim=-1)
+    if tokens.dim() == logits.dim():
+        return logits.gather(-1, tokens) - lse_BR.unsqueeze(-1)
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse_BR
 
 
 def response_logprobs(
@@ -82,6 +86,5 @@ def response_logprobs_and_aux(
     topk_logp_BRK = None
     if topk_ids_BRK is not None:
         with torch.no_grad():
-            logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
-            topk_logp_BRK = logits.log_softmax(-1).gather(-1, topk_ids_BRK.to(logits.device))
+            topk_logp_BRK = token_logprobs(out.logits, topk_ids_BRK.to(out.logits.device), temperature)
     return logp_BR, (out.aux_loss if with_aux else None), topk_logp_BRK

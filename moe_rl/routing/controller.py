@@ -290,7 +290,7 @@ class _Replayer:
             return replayed_NK
         scores_NE = torch.softmax(logits_NE.detach().float(), dim=-1)
         ids_NK, replaced_NK = partial_replay(scores_NE, replayed_NK, own_NK.to(replayed_NK), self.score_ratio)
-        self._replaced[layer].append(replaced_NK.sum(-1).reshape(B, T).cpu())
+        self._replaced[layer].append(replaced_NK.sum(-1).reshape(B, T))  # to the CPU once, in replaced_BTL
         return ids_NK
 
     @property
@@ -298,7 +298,7 @@ class _Replayer:
         """`[B, T, L]` replayed slots the partial replay replaced at each position and layer (0..K)."""
         if not self._replaced[0]:
             raise RuntimeError("no forward ran under partial replay (routing.replay_score_ratio > 0)")
-        return torch.stack([torch.cat(chunks, dim=1) for chunks in self._replaced], dim=2)
+        return torch.stack([torch.cat(chunks, dim=1) for chunks in self._replaced], dim=2).cpu()
 
     def check_consumed(self) -> None:
         tT = self.trace.shape[1]
@@ -405,8 +405,8 @@ class RoutingController:
                     drifted_NK = self._drift.perturb(layer, ids_NK, B, T, self.num_experts)
                 if self._noise is not None:  # the noisy choice is recorded even under replay, which wins
                     drifted_NK = self._noise.perturb(layer, logits_NE, ids_NK, B, T)
-                if self._recorder is not None:  # the routing this forward would use, absent replay
-                    own_NK = ids_NK if drifted_NK is None else drifted_NK
+                own_NK = ids_NK if drifted_NK is None else drifted_NK  # the routing absent replay
+                if self._recorder is not None:
                     own_gates = None
                     if self._recorder.with_gates:
                         own_gates = scores_NK if drifted_NK is None else replay_gates(module, logits_NE, drifted_NK)
@@ -417,7 +417,6 @@ class RoutingController:
                     ids_NK = drifted_NK
                 else:
                     replayed_NK = self._replayer.next_ids(layer, B, T, logits_NE.device)
-                    own_NK = ids_NK if drifted_NK is None else drifted_NK
                     ids_NK = self._replayer.filter(layer, logits_NE, replayed_NK, own_NK, B, T)
                     recorded_gates = self._replayer.gates_of(layer, B, T, logits_NE.device)
                 self._last_replayed[layer] = ids_NK
