@@ -19,13 +19,15 @@ import json
 import statistics
 from pathlib import Path
 
+from analysis.compare import read_run
+
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "results" / "replay_staleness" / "table.json"
 
 
 def run_change(run: Path) -> tuple[int, float, int]:
     """(k, mean vs_sampler change over steps >= k, steps) of one stale run folder."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
-    k = int(json.loads((run / "summary.json").read_text())["config"]["rollout"]["staleness"])
+    summary, rows = read_run(run)
+    k = int(summary["config"]["rollout"]["staleness"])
     values = [r["routing/expert_change/vs_sampler"] for r in rows if r["step"] >= k and "routing/expert_change/vs_sampler" in r]
     return k, statistics.fmean(values), len(values)
 

@@ -37,6 +37,7 @@ import math
 import numpy as np
 from tqdm import tqdm
 
+from analysis.stats import wilson
 from moe_rl.config import CollapseConfig
 from moe_rl.trainer.collapse import CollapseDetector
 
@@ -149,13 +150,6 @@ def eval_table(seeds: int, seed: int) -> list[str]:
 FULL_PS, FULL_ICCS, FULL_BATCHES = (0.05, 0.1, 0.2, 0.5, 0.8, 0.95), (0.0, 0.3, 0.6), ((4, 4), (8, 4), (8, 8), (16, 8))
 """Issue 56's grid: rewards p from 0.05 to 0.95, rollouts from 4 x 4 up, intra-class correlation 0-0.6."""
 STATED_RATE = 0.05
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of k successes in n."""
-    p, d = k / n, 1 + z * z / n
-    centre, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def full_grid_table(seeds: int, seed: int) -> list[str]:

@@ -188,8 +188,7 @@ def compare(before: dict, after: dict, new_keys: set[str] = frozenset()) -> list
     for name in sorted(set(before) | set(after)):
         a, b = before.get(name), after.get(name)
         if a is not None and b is not None and "metrics" in a:
-            added = new_keys - set().union(*a["metrics"]) if a["metrics"] else set(new_keys)
-            b = without_new_keys(b, added)
+            b = without_new_keys(b, new_keys - set().union(*a["metrics"]))
         if a is None or b is None:
             lines.append(f"{name}: only {'after' if a is None else 'before'}")
         elif "skipped" in a or "skipped" in b:
