@@ -25,6 +25,7 @@ its shorter span: compare AUCs of runs with equal spans.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,9 +104,9 @@ def ends_regressed(run: Run, frac: float = REGRESSION_FRAC, last: int = LATE) ->
     """1.0 when the mean expected accuracy over the run's last `last` updates is below frac x the pre-update
     value (the run ends regressed), 0.0 when not, nan without a pre-update eval."""
     t, v = expected_curve(run)
-    if t.size < 2 or t[0] != 0:
+    if t.size == 0 or t[0] != 0:  # the runs regression_time counts, so the two share a denominator
         return math.nan
-    return float(late_expected(run, last) < frac * v[0])
+    return float(v[t >= t[-1] - last].mean() < frac * v[0])
 
 
 def regression_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
@@ -122,18 +123,23 @@ def regression_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _strata(a: list[Run], b: list[Run], value: Callable[[Run], Any]) -> tuple[dict[tuple, tuple[list, list]], list]:
+    """Each warm start's ([a's values], [b's values]) of `value(run)` (None: the run is left out), and the
+    warm starts where both arms have runs, in a fixed order."""
+    strata: dict[tuple, tuple[list, list]] = {}
+    for arm, runs in enumerate((a, b)):
+        for run in runs:
+            if (x := value(run)) is not None:
+                strata.setdefault(warm_start_id(run), ([], []))[arm].append(x)
+    return strata, sorted((w for w, (ra, rb) in strata.items() if ra and rb), key=repr)
+
+
 def stratified_regression_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
     """Sustained regression, a vs b, stratified by warm start (analysis.clusters.warm_start_id), over the runs
     with a pre-update eval: the exact conditional test that the arms regress at one rate within every warm
     start (analysis.stats.exact_stratified) and the stratified log-rank test of time to regression; per warm
     start, its build seed and each arm's regressed and evaluated runs."""
-    strata: dict[tuple, tuple[list, list]] = {}
-    for arm, runs in enumerate((a, b)):
-        for run in runs:
-            t, regressed = regression_time(run)
-            if math.isfinite(t):
-                strata.setdefault(warm_start_id(run), ([], []))[arm].append((t, regressed))
-    keys = sorted((w for w, (ra, rb) in strata.items() if ra and rb), key=repr)
+    strata, keys = _strata(a, b, lambda r: x if math.isfinite((x := regression_time(r))[0]) else None)
     counts = [(sum(e for _, e in strata[w][0]), len(strata[w][0]), sum(e for _, e in strata[w][1]), len(strata[w][1]))
               for w in keys]  # fmt: skip
     exact = exact_stratified(*zip(*counts, strict=True)) if counts else None
@@ -154,13 +160,7 @@ def stratified_ends_test(a: list[Run], b: list[Run]) -> dict[str, Any]:
     """Runs that end regressed (`ends_regressed`), a vs b, stratified by warm start, over the runs with a
     pre-update eval: the exact conditional test that the arms end regressed at one rate within every warm
     start (analysis.stats.exact_stratified); per warm start, each arm's ended-regressed and evaluated runs."""
-    strata: dict[tuple, tuple[list, list]] = {}
-    for arm, runs in enumerate((a, b)):
-        for run in runs:
-            ended = ends_regressed(run)
-            if math.isfinite(ended):
-                strata.setdefault(warm_start_id(run), ([], []))[arm].append(int(ended))
-    keys = sorted((w for w, (ra, rb) in strata.items() if ra and rb), key=repr)
+    strata, keys = _strata(a, b, lambda r: int(e) if math.isfinite(e := ends_regressed(r)) else None)
     counts = [(sum(strata[w][0]), len(strata[w][0]), sum(strata[w][1]), len(strata[w][1])) for w in keys]
     exact = exact_stratified(*zip(*counts, strict=True)) if counts else None
     return {
