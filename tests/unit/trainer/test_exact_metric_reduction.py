@@ -43,7 +43,7 @@ def test_objective_stats_over_split_rows_equal_one_call_on_all_rows(name):
     fn = OBJECTIVES[name]
     clip = {"clip_low": 0.1, "clip_high": 0.15}
 
-    def stats(rows):  # the top-k variants return dppo_tv's keys, reduced alike
+    def stats(rows):
         return fn.compute(fn.inputs(logp[rows], old[rows], adv[rows], mask[rows], **clip))[1]
 
     whole = S.values(stats(slice(None)))
