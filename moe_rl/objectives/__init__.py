@@ -107,7 +107,7 @@ and high_it = [Â_i > 0 ∧ d_it > clip_high]: the token's log-space clip is act
 from __future__ import annotations
 
 from moe_rl.objectives.cispo import CISPO, cispo
-from moe_rl.objectives.common import group_advantages
+from moe_rl.objectives.common import FOLDABLE_ROLLOUT_IS, group_advantages
 from moe_rl.objectives.config import ObjectiveConfig
 from moe_rl.objectives.dppo import DPPO_KL, DPPO_TOPK_KL, DPPO_TOPK_TV, DPPO_TV
 from moe_rl.objectives.gmpo import GMPO, gmpo
@@ -124,8 +124,6 @@ OBJECTIVES: dict[str, Objective] = {
               DPPO_TOPK_KL)
 }
 """The registry: the one lookup the trainer (and config validation) makes."""
-VESPO_ROLLOUT_IS = ("none", "token_truncate", "token_mask")
-"""The rollout IS modes VESPO folds into its log w (TRL refuses the others)."""
 
 
 def validate_config(cfg: ObjectiveConfig) -> None:
@@ -149,9 +147,9 @@ def validate_config(cfg: ObjectiveConfig) -> None:
     if spec.needs_topk and cfg.anchor != "sampler":
         raise ValueError(f"objective.anchor={cfg.anchor!r}: {cfg.name} measures its divergence against the "
                          "sampler's top-k distribution; set objective.anchor=sampler")
-    if spec.folds_rollout_is and cfg.rollout_is not in VESPO_ROLLOUT_IS:
+    if spec.folds_rollout_is and cfg.rollout_is not in FOLDABLE_ROLLOUT_IS:
         raise ValueError(f"objective.rollout_is={cfg.rollout_is!r}: {cfg.name} folds a token-level correction "
-                         f"into its weight, one of {VESPO_ROLLOUT_IS} (as TRL)")
+                         f"into its weight, one of {FOLDABLE_ROLLOUT_IS} (as TRL)")
 
 
 __all__ = ["OBJECTIVES", "Objective", "ObjectiveConfig", "ObjectiveInputs", "TopK",

@@ -202,6 +202,14 @@ ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate",
                     "geo_sequence_truncate", "geo_sequence_mask", "icepop")
 """Rollout importance-sampling correction modes: TRL's `vllm_importance_sampling_mode` names, the
 geometric-mean sequence modes of "When Speed Kills Stability" (verl rollout_rs=geometric), and IcePop."""
+FOLDABLE_ROLLOUT_IS = ("none", "token_truncate", "token_mask")
+"""The modes an objective that folds the correction into its own weight takes (VESPO; TRL refuses the others)."""
+
+
+def sequence_weights(diff_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Per-sequence importance weights w_i = exp(clamp(Σ_t diff_it, ±LOG_RATIO_BOUND)) over the non-empty
+    rows, from per-token log-ratios `diff_BT` that are 0 at masked tokens."""
+    return diff_BT.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()[mask_BT.any(-1)]
 
 
 def rollout_is_weight(
@@ -239,7 +247,7 @@ def rollout_is_weight(
     if sampler_logp is None or (mode == "none" and not diagnostics):
         return ones_BT, {}
     diff_BT = torch.where(mask_BT, old_logp_BT - sampler_logp.to(old_logp_BT.dtype), 0.0).detach()
-    seq_w_B = diff_BT.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()[mask_BT.any(-1)]
+    seq_w_B = sequence_weights(diff_BT, mask_BT)
     out = {"rollout_is/ess": S.ess(seq_w_B), "rollout_is/chi2": S.chi2(seq_w_B)}
     if mode == "none":
         return ones_BT, out

@@ -36,6 +36,7 @@ from torch import Tensor
 from moe_rl import reduction as S
 from moe_rl.objectives import diagnostics as D
 from moe_rl.objectives.common import (
+    FOLDABLE_ROLLOUT_IS,
     LOG_RATIO_BOUND,
     SEQ_MEAN_TOKEN_MEAN,
     Aggregate,
@@ -211,7 +212,7 @@ def check(obj: Objective, x: ObjectiveInputs, loss_agg: str) -> None:
     if x.cfg.clip_ratio_c is not None and not obj.dual_clip:
         raise ValueError(f"{obj.name} has no min for dual-clip to cap: clip_ratio_c must be None, "
                          f"got {x.cfg.clip_ratio_c}")
-    if obj.folds_rollout_is and x.cfg.rollout_is not in ("none", "token_truncate", "token_mask"):
+    if obj.folds_rollout_is and x.cfg.rollout_is not in FOLDABLE_ROLLOUT_IS:
         raise ValueError(f"{obj.name} folds a token-level rollout IS weight into its own (token_truncate or "
                          f"token_mask, as TRL), got rollout_is={x.cfg.rollout_is!r}")
     if obj.anchored and x.cfg.anchor == "sampler" and (x.sampler_logp is None or x.sampler_logp.shape != x.mask.shape):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from moe_rl.objectives.common import LOG_RATIO_BOUND
+from moe_rl.objectives.common import sequence_weights
 from moe_rl.trainer.distributed import Dist
 
 
@@ -29,9 +29,7 @@ def ess_factor(old_logp_bR: torch.Tensor, sampler_logp_bR: torch.Tensor, mask_bR
                dist: Dist) -> float:
     """The lr factor of one mini-batch (module docstring), over every rank's rows (a collective)."""
     m = mask_bR.bool()
-    nonempty_b = m.any(-1)
-    d_b = torch.where(m, old_logp_bR.double() - sampler_logp_bR.double(), 0.0).sum(-1)
-    w_b = d_b.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()[nonempty_b]
+    w_b = sequence_weights(torch.where(m, old_logp_bR.double() - sampler_logp_bR.double(), 0.0), m)
     n, s1, s2 = dist.sum([float(w_b.numel()), float(w_b.sum()), float(w_b.square().sum())])
     ratio = min(1.0, s1 * s1 / (n * s2)) if n and s2 else 1.0
     return ratio**0.5 if rule == "sqrt" else ratio
