@@ -46,6 +46,7 @@ import copy
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -157,11 +158,23 @@ def _replay_removable(ctx: StepContext, batch: Batch, B: slice, ref, key, meas: 
              batch.response_mask_BR[B], before=ref[0])
 
 
-def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs: list[float], ref, meas) -> None:
-    """One real update on rows A at each lr, then the clean forward of rows B against the reference."""
+def _restorer(ctx: StepContext) -> Callable[[], None]:
+    """A function that puts the model, optimizer and scheduler back to their state now (callable repeatedly)."""
     model_state = copy.deepcopy(ctx.model.state_dict())
     opt_state = copy.deepcopy(ctx.optimizer.state_dict())
     sched_state = ctx.scheduler.state_dict()
+
+    def restore() -> None:
+        ctx.model.load_state_dict(model_state)
+        ctx.optimizer.load_state_dict(opt_state)
+        ctx.scheduler.load_state_dict(sched_state)
+
+    return restore
+
+
+def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs: list[float], ref, meas) -> None:
+    """One real update on rows A at each lr, then the clean forward of rows B against the reference."""
+    restore = _restorer(ctx)
     batch.minibatches = [A]
     plan = RoutingPlan(ctx.cfg.routing, ctx.controller, batch, step, ctx.cfg.seed)  # unperturbed (main)
     old = old_policy(ctx, batch, plan)
@@ -172,26 +185,20 @@ def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs:
         # The re-routing's own effect: the updated policy routed freely against the same policy replaying
         # the old routing (R2), so the update's direct effect on every weight cancels; its whole effect beside it.
         _replay_removable(ctx, batch, B, ref, ("natural", lr), meas)
-        ctx.model.load_state_dict(model_state)
-        ctx.optimizer.load_state_dict(opt_state)
-        ctx.scheduler.load_state_dict(sched_state)
+        restore()
 
 
 def _staleness(ctx: StepContext, batch: Batch, B: slice, first_step: int, ks: list[int], meas: _Measure) -> None:
     """One trajectory of max(ks) real RL steps from the current policy; after k of them, the replay-removable
     and whole damage and the expert change on rows B against their routing and log-probs at the start (the
     stale sampler's). The model, optimizer and scheduler are restored afterwards."""
-    model_state = copy.deepcopy(ctx.model.state_dict())
-    opt_state = copy.deepcopy(ctx.optimizer.state_dict())
-    sched_state = ctx.scheduler.state_dict()
+    restore = _restorer(ctx)
     ref = _forward(ctx, batch, B)
     for k in range(1, max(ks) + 1):
         rl_step(ctx, first_step + k - 1)
         if k in ks:
             _replay_removable(ctx, batch, B, ref, ("stale", float(k)), meas)
-    ctx.model.load_state_dict(model_state)
-    ctx.optimizer.load_state_dict(opt_state)
-    ctx.scheduler.load_state_dict(sched_state)
+    restore()
 
 
 def calibrate(
