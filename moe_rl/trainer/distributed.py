@@ -35,6 +35,12 @@ from moe_rl.config import TrainerConfig
 T = TypeVar("T")
 
 
+PEER_FAILURE_MARKERS = ("gloo", "pair closure", "Connection closed by peer")
+"""Substrings of a collective's RuntimeError that mean a peer failed. Gloo's own errors name it, but a
+timeout met inside DDP's backward reaches us rethrown by autograd as "Application timeout caused pair
+closure", which does not."""
+
+
 class DistributedTimeout(RuntimeError):
     """A collective failed: another rank died, hung past `trainer.dist_timeout_s`, or lost its connection."""
 
@@ -57,7 +63,7 @@ class Dist:
         try:
             return fn()
         except RuntimeError as err:
-            if not (isinstance(err, dist.DistError) or "gloo" in str(err)):
+            if not (isinstance(err, dist.DistError) or any(m in str(err) for m in PEER_FAILURE_MARKERS)):
                 raise
             raise DistributedTimeout(
                 f"rank {self.rank} of {self.world}: a collective failed ({err}). Another rank died or did "
