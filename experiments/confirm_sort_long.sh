@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # confirm_sort_long in sittings, as pre-registered (docs/preregistration/confirm_sort_long.md, amendment 1):
 # warm start slowest. For each warm start: calibrate it (which builds and caches it), run its 16 runs
-# (resume=true: a finished run is left as it is), and pack the finished runs' records into
-# docs/results/confirm_sort_long/records/ (moe-rl-archive). A sitting starts by unpacking what earlier
-# sittings committed. Commit docs/results/confirm_sort_long/ at the end of every sitting, then run the
+# (resume=true: a finished run is left as it is), and pack the finished runs' records into one archive,
+# published to the record store (docs/results/confirm_sort_long/records.json, moe_rl/records.py). A sitting
+# starts by fetching and unpacking what earlier sittings published. Commit docs/results/confirm_sort_long/
+# (and `wandb sync` the published artifact) at the end of every sitting, then run the
 # same command in the next one. It prints counts only; the report is written once all 96 runs are done.
 #
 #   experiments/confirm_sort_long.sh              # warm starts 0-5, in order
@@ -14,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source experiments/lib/sittings.sh
-sittings_begin confirm_sort_long   # sweep, keep (committed: calibrations, records), work (not: full output, logs)
+sittings_begin confirm_sort_long   # sweep, keep (committed: calibrations, records.json), work (not: full output, logs)
 mkdir -p "$keep/calibration"
 for w in ${WARM_STARTS:-0 1 2 3 4 5}; do
   if [[ ! -e $keep/calibration/ws$w/calibration.json ]]; then

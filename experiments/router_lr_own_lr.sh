@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # router_lr_own_lr in sittings, as pre-registered (docs/preregistration/router_lr_own_lr.md): warm start
 # slowest, one whole warm start (96 runs: 4 arms x 2 router-lr doses x 4 lrs x 3 seeds, about 2
-# core-hours, and its build) per sitting that can finish it. Each sitting unpacks what earlier sittings
-# committed, runs its warm starts (resume=true), packs the new finished runs' records into
-# docs/results/router_lr_own_lr/records/ (commit that folder at the end of the sitting), and prints
+# core-hours, and its build) per sitting that can finish it. Each sitting fetches and unpacks what earlier
+# sittings published, runs its warm starts (resume=true), packs the new finished runs' records and
+# publishes them (commit docs/results/router_lr_own_lr/records.json at the end of the sitting), and prints
 # counts only; the report is written once all 384 runs are done.
 #
 #   experiments/router_lr_own_lr.sh            # warm starts 0-3, in order

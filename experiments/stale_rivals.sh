@@ -7,8 +7,9 @@
 #   WARM_STARTS="3 4" experiments/stale_rivals.sh primary
 # Each stage refuses to start unless the pre-registration was committed before the sweep's first record
 # (experiments/lib/preregistration.py), runs whole warm starts (resume=true: a finished run is left as it
-# is), packs the finished runs' records into docs/results/stale_rivals/records/ (commit that folder at the
-# end of every sitting) and prints counts only. Once every primary run is done (360), the primary family is
+# is), packs the finished runs' records and publishes them to the record store (commit
+# docs/results/stale_rivals/records.json at the end of every sitting, and `wandb sync` the artifact) and
+# prints counts only. Once every primary run is done (360), the primary family is
 # analysed as pre-registered (moe-rl-analyze on the sweep; its dose-interaction section forms the
 # differences in differences, and --pair names GSPO at its own lr against R2), and only then read.
 set -euo pipefail
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 source experiments/lib/sittings.sh
 stage=${1:?usage: experiments/stale_rivals.sh lr|primary|secondary}
 sittings_begin stale_rivals
-python experiments/lib/preregistration.py check docs/preregistration/stale_rivals.md "$sweep" "$keep/records"
+python experiments/lib/preregistration.py check docs/preregistration/stale_rivals.md "$sweep" "$keep/records.json"
 common=(hydra/launcher=joblib_local trainer.threads=1 resume=true logger.progress=false)
 [[ $stage == lr ]] || common+=(logger.wandb=false)  # amendment 1: the profile's cut, which changes no number
 lr_of() { python -c "import json,sys; print(json.load(open('$keep/step_size.json'))['arms'][sys.argv[1]]['lr'])" "$1"; }

@@ -30,10 +30,12 @@ import io
 import shutil
 import sys
 import tarfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
+from moe_rl import records
 from moe_rl.errors import RunError, one_line
+from moe_rl.records import archived_runs
 from moe_rl.trainer.folder import set_aside
 
 RECORD = ("metrics.jsonl", "events.jsonl", "summary.json", "run_id.txt", ".hydra/config.yaml",
@@ -53,15 +55,6 @@ def finished_runs(sweep: Path) -> list[Path]:
         if not set_aside(rel) and (summary.parent / "metrics.jsonl").is_file():
             found.append(rel)
     return sorted(found)
-
-
-def archived_runs(archives: Iterable[Path]) -> set[PurePosixPath]:
-    """The run folders (relative paths) whose summary.json one of `archives` holds."""
-    runs = set()
-    for archive in archives:
-        with tarfile.open(archive, "r:*") as tar:
-            runs |= {PurePosixPath(m.name).parent for m in tar.getmembers() if PurePosixPath(m.name).name == "summary.json"}
-    return runs
 
 
 def pack(sweep: Path, out: Path, skip: Sequence[Path] = ()) -> list[PurePosixPath]:
@@ -200,8 +193,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     u.add_argument("--into", type=Path, required=True)
     u.add_argument("--max-member-mb", type=float, default=MAX_MEMBER_MB, help="refuse a larger member (default 64)")
     u.add_argument("--max-total-mb", type=float, default=MAX_TOTAL_MB, help="refuse more in all (default 1024)")
+    f = sub.add_parser("fetch", help="bring a study's archives back from the sources its manifest lists, verified")
+    f.add_argument("manifest", type=Path, help="docs/results/NAME/records.json")
+    f.add_argument("--out", type=Path, help="folder for the archives (default records/NAME)")
+    f.add_argument("--into", type=Path, help="also unpack them into this sweep folder")
+    s = sub.add_parser("publish", help="add archives to a study's manifest, with the sources they can be fetched from")
+    s.add_argument("manifest", type=Path, help="docs/results/NAME/records.json (created when missing)")
+    s.add_argument("archives", type=Path, nargs="+")
+    s.add_argument("--wandb-project", help="log each as a W&B artifact of this project (offline unless WANDB_MODE)")
+    s.add_argument("--url-prefix", help="where the archives are uploaded (a release's download URL)")
+    s.add_argument("--git-commit", help="the commit that holds them at their path in this repository")
     args = parser.parse_args(argv)
     try:
+        if args.command in ("fetch", "publish"):
+            return _store(args)
         if args.command == "pack":
             runs = pack(args.sweep, args.out, args.skip)
             size = f"{args.out.stat().st_size / 1e6:.2f} MB" if runs else "nothing new to pack, no file written"
@@ -214,6 +219,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RunError, OSError, tarfile.TarError) as err:
         print(f"moe-rl-archive: {one_line(err) or err}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _store(args: argparse.Namespace) -> int:
+    if args.command == "publish":
+        for entry in records.publish(args.manifest, args.archives, args.wandb_project, args.url_prefix, args.git_commit):
+            print(f"{args.manifest}: {entry.file} ({entry.runs} runs, sha256 {entry.sha256[:16]}...) from "
+                  f"{', '.join(entry.sources)}")
+        return 0
+    out = args.out or Path("records") / records.study(args.manifest)
+    got = records.fetch(args.manifest, out)
+    for path, source in got:
+        print(f"{path}: {source}")
+    if args.into:
+        written, same = unpack([p for p, _ in got], args.into)
+        print(f"{args.into}: {written} file(s) written, {same} already there")
     return 0
 
 

@@ -1,10 +1,10 @@
 """Refuse a pre-registered sweep's blind run unless its pre-registration came first (issue 57).
 
-    python experiments/lib/preregistration.py check PREREG SWEEP_DIR RECORDS_DIR
+    python experiments/lib/preregistration.py check PREREG SWEEP_DIR MANIFEST
 
 Exits 0 when PREREG is a file committed in this repository, unchanged since, and its first commit is older
-than every record of the sweep: every archive in RECORDS_DIR (named by its UTC pack time,
-`YYYYmmddTHHMMSSZ.tar.xz`) and every run's `metrics.jsonl` under SWEEP_DIR (by modification time; runs
+than every record of the sweep: every archive MANIFEST lists (the study's records.json, moe_rl.records; each
+archive named by its UTC pack time, `YYYYmmddTHHMMSSZ.tar.xz`) and every run's `metrics.jsonl` under SWEEP_DIR (by modification time; runs
 unpacked from archives carry the time they were unpacked, after the commit). Else prints one line saying
 which and exits 1.
 """
@@ -16,6 +16,8 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+from moe_rl.records import read_manifest
 
 
 def _git(root: Path, *args: str) -> str:
@@ -35,9 +37,9 @@ def problem(prereg: Path, sweep: Path, records: Path) -> str | None:
         return f"{prereg}: changed since its commit; commit a dated amendment before running"
     committed = int(added[-1])
     stamps = []
-    for archive in records.glob("*.tar.xz") if records.is_dir() else []:
+    for archive in [entry.file for entry in read_manifest(records)]:
         try:
-            stamps.append(datetime.strptime(archive.name[:16], "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC).timestamp())
+            stamps.append(datetime.strptime(archive[:16], "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC).timestamp())
         except ValueError:
             return f"{archive}: not a sittings archive name (YYYYmmddTHHMMSSZ.tar.xz)"
     stamps += [p.stat().st_mtime for p in sweep.rglob("metrics.jsonl")] if sweep.is_dir() else []

@@ -1,11 +1,17 @@
 # Sourced by the drivers of pre-registered sweeps that run in sittings (experiments/confirm_sort_long.sh,
-# experiments/router_lr_own_lr.sh): a sitting's machine keeps nothing, so each sitting unpacks the
-# finished runs' records that earlier sittings committed, runs whole warm starts (resume=true leaves a
-# finished run as it is), and packs its new finished runs into one more archive (moe_rl.archive).
+# experiments/router_lr_own_lr.sh, experiments/stale_rivals.sh): a sitting's machine keeps nothing, so each
+# sitting fetches and unpacks the finished runs' records that earlier sittings published, runs whole warm
+# starts (resume=true leaves a finished run as it is), and packs its new finished runs into one more archive
+# (moe_rl.archive), published to the record store (moe_rl.records): the archive goes to W&B, and only its
+# manifest entry (file, sha256, source) is committed.
 #
-#   sittings_begin NAME     sweep=multirun/NAME, keep=docs/results/NAME (committed), work=cal/NAME (not);
-#                           takes the driver's lock and unpacks keep/records/*.tar.xz into the sweep
-#   sittings_pack           packs the sweep's finished runs not yet archived into keep/records/<UTC>.tar.xz
+#   sittings_begin NAME     sweep=multirun/NAME, keep=docs/results/NAME (committed), work=cal/NAME and
+#                           records=records/NAME (not); takes the driver's lock, fetches every archive that
+#                           keep/records.json lists into records/NAME (verified) and unpacks them into the sweep
+#   sittings_pack           packs the sweep's finished runs not yet archived into records/NAME/<UTC>.tar.xz
+#                           and publishes it into keep/records.json, as a W&B artifact of project
+#                           $MOE_RL_RECORDS_PROJECT (default moe-rl-records; offline until `wandb sync`) and,
+#                           with $MOE_RL_RECORDS_URL, as the release asset $MOE_RL_RECORDS_URL/<file>
 #   sittings_finished       the number of finished runs in the sweep (summary.json outside .hydra/ and
 #                           overwritten-*/: moe_rl.trainer.folder.set_aside)
 sittings_begin() {
@@ -13,19 +19,25 @@ sittings_begin() {
   sweep=multirun/$name
   keep=docs/results/$name
   work=cal/$name
-  mkdir -p "$work" "$keep/records"
+  records=records/$name
+  mkdir -p "$work" "$records"
   # One driver at a time: a second one would train the same runs twice.
   exec 9> "$work/.driver.lock"
   flock -n 9 || { echo "$0: another driver is running (it holds $work/.driver.lock)" >&2; exit 1; }
   shopt -s nullglob
-  local archives=("$keep"/records/*.tar.xz)
-  if (( ${#archives[@]} )); then
-    moe-rl-archive unpack "${archives[@]}" --into "$sweep"
+  if [[ -e $keep/records.json ]]; then
+    moe-rl-archive fetch "$keep/records.json" --out "$records" --into "$sweep"
   fi
 }
 
 sittings_pack() {
-  moe-rl-archive pack "$sweep" "$keep/records/$(date -u +%Y%m%dT%H%M%SZ).tar.xz" --skip "$keep"/records/*.tar.xz
+  local out
+  out=$records/$(date -u +%Y%m%dT%H%M%SZ).tar.xz
+  moe-rl-archive pack "$sweep" "$out" --skip "$records"/*.tar.xz
+  if [[ -e $out ]]; then
+    moe-rl-archive publish "$keep/records.json" "$out" --wandb-project "${MOE_RL_RECORDS_PROJECT:-moe-rl-records}" \
+      ${MOE_RL_RECORDS_URL:+--url-prefix "$MOE_RL_RECORDS_URL"}
+  fi
 }
 
 sittings_finished() {

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from analysis.load import Run
+from moe_rl.records import Entry, write_manifest
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -35,10 +36,10 @@ def _git(repo: Path, *args: str) -> None:
 
 
 def test_the_blind_run_needs_a_pre_registration_committed_before_its_first_record(tmp_path):
-    """Missing, uncommitted, changed since its commit, or committed after an archive or a run of the sweep:
-    one line saying which; committed first and unchanged: no objection."""
-    repo, sweep, records = tmp_path / "repo", tmp_path / "repo" / "sweep", tmp_path / "repo" / "records"
-    records.mkdir(parents=True)
+    """Missing, uncommitted, changed since its commit, or committed after an archive its records manifest
+    lists or a run of the sweep: one line saying which; committed first and unchanged: no objection."""
+    repo, sweep, records = tmp_path / "repo", tmp_path / "repo" / "sweep", tmp_path / "repo" / "records.json"
+    repo.mkdir()
     _git(repo, "init", "-q")
     doc = repo / "prereg.md"
     assert "no pre-registration" in prereg.problem(doc, sweep, records)
@@ -47,9 +48,9 @@ def test_the_blind_run_needs_a_pre_registration_committed_before_its_first_recor
     _git(repo, "add", "prereg.md")
     _git(repo, "commit", "-qm", "plan")
     assert prereg.problem(doc, sweep, records) is None
-    (records / "20200101T000000Z.tar.xz").write_bytes(b"")  # packed long before the commit
+    write_manifest(records, [Entry("20200101T000000Z.tar.xz", "0" * 64, 0, 0, ["https://x"])])  # packed before
     assert "after the sweep's first record" in prereg.problem(doc, sweep, records)
-    (records / "20200101T000000Z.tar.xz").unlink()
+    write_manifest(records, [Entry("20990101T000000Z.tar.xz", "0" * 64, 0, 0, ["https://x"])])
     run = sweep / "ws0" / "0"
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("{}\n")

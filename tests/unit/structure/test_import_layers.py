@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("moe_rl.warmstart",),
     ("moe_rl.startup",),  # start-up checks that read files, build the task or look at the machine
     ("moe_rl.trainer",),  # moe_rl.trainer.run calls the start-up checks, which every rank enters
-    ("moe_rl.train", "moe_rl.calibrate", "moe_rl.dashboard", "moe_rl.archive", "moe_rl"),
+    ("moe_rl.train", "moe_rl.calibrate", "moe_rl.dashboard", "moe_rl.archive", "moe_rl.records", "moe_rl"),
 ]
 """Bottom to top. `moe_rl` (the package's own __init__) imports nothing and sits at the top with the entry points."""
 
