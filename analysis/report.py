@@ -280,10 +280,10 @@ def write_report(
     figures = {**lead, **write_figures(groups, out_dir, smooth=smooth), **rest}
     table: dict[str, Any] = {}
     for section, result in done:
-        if section.file:
-            (out_dir / section.file).write_text(section.markdown(result) + "\n")
+        if section.file and section.markdown(result) not in section.report_text(result):
+            (out_dir / section.file).write_text(section.markdown(result) + "\n")  # else report.md holds it
         table.update(section.entries(result))
-    (out_dir / "table.json").write_text(json.dumps(table, indent=2))
+    (out_dir / "table.json").write_text(json.dumps(table, separators=(",", ":")))  # compact: it is read by code
 
     names = short_names(fields)
     varying = ", ".join(f"`{f}`" + (f" (shown as {names[f]})" if names[f] != f else "") for f in fields)

@@ -57,7 +57,8 @@ class Section:
     compute(sweep): the result, computed once; None when there is nothing to report after all (the
         section is then left out everywhere, as when `applies` is false).
     markdown(result): the section's tables, as `file` holds them and report.md shows them.
-    file: the markdown file under the report folder that holds `markdown(result)`; None for none.
+    file: the markdown file under the report folder that holds `markdown(result)` when report.md does not
+        show it (a `body` that differs); None for none. A file would only repeat report.md's text.
     intro: the paragraph report.md prints between the heading and the tables ("" for none).
     applies(sweep): whether the sweep has what the section needs (cheap; before compute).
     json(result): the section's entries of table.json; None: {name: result}.
