@@ -6,8 +6,8 @@
     moe-rl-analyze multirun/stability --out report/ --smooth 0.6 --permutations 20000
     moe-rl-analyze multirun/sweep --out report/ --pair "gspo (replay=off) lr=0.0002" "grpo (replay=off) lr=0.0001"
 
-Writes OUT/report.md (open it in any markdown viewer), OUT/*.png, OUT/summary_table.md,
-OUT/collapse_table.md, OUT/pairs_table.md and OUT/table.json. Tables give mean ± 95% CI over seeds
+Writes OUT/report.md (open it in any markdown viewer; it holds every table), OUT/*.png, OUT/table.json
+and OUT/collapse_table.md (the collapse table in full). Tables give mean ± 95% CI over seeds
 (Student t); pairs of objectives get paired or Welch t and permutation tests, and, for runs with
 `eval/expected_accuracy`, the paired AUC difference and a log-rank test of time to regression
 (analysis.pairs, analysis.outcomes). table.json keeps every seed's values. Without a tty
