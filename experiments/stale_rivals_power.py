@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats as sps
 
+from analysis import clusters
 from analysis.stats import exact_stratified
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "results" / "replay_staleness" / "table.json"
@@ -70,8 +71,9 @@ def variance_components(auc: dict) -> tuple[float, float, list[float]]:
         ws = sorted({w for w, _ in d})
         seeds = sorted({s for _, s in d})
         cells = np.array([[d[w, s] for s in seeds] for w in ws])
-        within.append(cells.var(axis=1, ddof=1).mean())
-        between.append(max(0.0, cells.mean(axis=1).var(ddof=1) - within[-1] / len(seeds)))
+        b, w, _ = clusters.variance_components(cells)  # balanced: σ²_b = var(warm-start means) − σ²_w / seeds
+        between.append(b)
+        within.append(w)
         means.append(float(cells.mean()))
     return math.sqrt(np.mean(between)), math.sqrt(np.mean(within)), means
 
