@@ -264,18 +264,20 @@ def format_clusters(pairs: list[dict]) -> str:
 
 def format_ends_by_warm_start(a: str, b: str, ends: dict[str, Any]) -> str:
     """One sentence: each arm's runs that end regressed, per warm start, and the exact stratified test's p."""
-    per = ", ".join(f"{w['ended_a']}/{w['n_a']} vs {w['ended_b']}/{w['n_b']}" for w in ends["per_warm_start"])
-    judged = warm_start_verdict(Difference(math.nan, math.nan, math.nan, ends["exact_p"], ends["warm_starts"],
-                                           ends["warm_starts"], ends["exact_test"]))
-    return (f"- **{a}** vs **{b}**, ends regressed by warm start: {ends['ended_a']}/{ends['n_a']} vs "
-            f"{ends['ended_b']}/{ends['n_b']} ({per}); {ends['exact_test']} p = {_num(ends['exact_p'])}: {judged}.")
+    return _counts_by_warm_start(a, b, ends, "ended", "ends regressed", "")
 
 
 def format_regression_by_warm_start(a: str, b: str, reg: dict[str, Any]) -> str:
     """One sentence: each arm's sustained regressions, per warm start, and the two stratified tests' p."""
-    per = ", ".join(f"{w['regressed_a']}/{w['n_a']} vs {w['regressed_b']}/{w['n_b']}" for w in reg["per_warm_start"])
-    judged = warm_start_verdict(Difference(math.nan, math.nan, math.nan, reg["exact_p"], reg["warm_starts"],
-                                           reg["warm_starts"], reg["exact_test"]))
-    return (f"- **{a}** vs **{b}**, sustained regression by warm start: {reg['regressed_a']}/{reg['n_a']} vs "
-            f"{reg['regressed_b']}/{reg['n_b']} ({per}); {reg['exact_test']} p = {_num(reg['exact_p'])}, "
-            f"{reg['logrank_test']} χ² = {_num(reg['logrank_chi2'])}, p = {_num(reg['logrank_p'])}: {judged}.")
+    logrank = f", {reg['logrank_test']} χ² = {_num(reg['logrank_chi2'])}, p = {_num(reg['logrank_p'])}"
+    return _counts_by_warm_start(a, b, reg, "regressed", "sustained regression", logrank)
+
+
+def _counts_by_warm_start(a: str, b: str, row: dict[str, Any], count: str, what: str, more: str) -> str:
+    """The sentence of a stratified count row (stratified_ends_test's or stratified_regression_test's, whose
+    counts are `count`_a and `count`_b): totals, per warm start, the exact test's p, then `more`, the verdict."""
+    per = ", ".join(f"{w[count + '_a']}/{w['n_a']} vs {w[count + '_b']}/{w['n_b']}" for w in row["per_warm_start"])
+    judged = warm_start_verdict(Difference(math.nan, math.nan, math.nan, row["exact_p"], row["warm_starts"],
+                                           row["warm_starts"], row["exact_test"]))
+    return (f"- **{a}** vs **{b}**, {what} by warm start: {row[count + '_a']}/{row['n_a']} vs "
+            f"{row[count + '_b']}/{row['n_b']} ({per}); {row['exact_test']} p = {_num(row['exact_p'])}{more}: {judged}.")
