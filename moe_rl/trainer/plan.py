@@ -30,8 +30,8 @@ from moe_rl.routing import Drift, LogitNoise, RoutingReplayError, RoutingTrace, 
 from moe_rl.trainer.precision import MasterAdamW
 
 if TYPE_CHECKING:
-    from moe_rl.config import RoutingConfig
     from moe_rl.routing import RoutingController
+    from moe_rl.routing.config import RoutingConfig
     from moe_rl.trainer.batch import Batch
 
 
