@@ -27,7 +27,7 @@ import torch
 
 from moe_rl.rollout.forward import position_ids_from_mask
 from moe_rl.routing import Drift, LogitNoise, RoutingReplayError, RoutingTrace, logit_noise, noise_scale
-from moe_rl.trainer.precision import MasterAdamW
+from moe_rl.trainer.precision import master_copies
 
 if TYPE_CHECKING:
     from moe_rl.routing import RoutingController
@@ -153,9 +153,7 @@ class RoutingPlan:
         if sigma == 0:
             return
         g = _generator(self.seed, self.step, j)
-        master = {}
-        if isinstance(optimizer, MasterAdamW):
-            master = {id(p): m for p, m in zip(optimizer.model_params, optimizer.master_params, strict=True)}
+        master = master_copies(optimizer)
         for router in self.controller.routers:
             w = router.weight
             noise = (torch.randn(w.shape, generator=g, dtype=torch.float32) * sigma).to(w.device)
