@@ -30,7 +30,7 @@ from moe_rl.models.config import ModelConfig
 from moe_rl.objectives.capabilities import CAPABILITIES
 from moe_rl.objectives.config import ObjectiveConfig, validate_config
 from moe_rl.rollout.config import RolloutConfig, SamplerConfig
-from moe_rl.routing.config import NOISE_GROWTH, NOISE_SCOPES, REPLAY_SOURCES, RoutingConfig
+from moe_rl.routing.config import NOISE_GROWTH, NOISE_SCOPES, REPLAY, REPLAY_SOURCES, SAMPLER, RoutingConfig
 from moe_rl.tasks.config import DATASET, TaskConfig
 from moe_rl.trainer.config import (
     COLLAPSE_KINDS,
@@ -52,7 +52,7 @@ INFINITE_OK = ("collapse.ratio_max",)
 
 __all__ = [
     "COLLAPSE_KINDS", "ESS_RULES", "FAILURE_KINDS", "INFINITE_OK", "MAX_ROUTER_LR_SCALE", "NOISE_GROWTH",
-    "NOISE_SCOPES", "PARALLEL", "REPLAY_SOURCES", "WANDB_MODES", "CollapseConfig", "Config", "EvalConfig",
+    "NOISE_SCOPES", "PARALLEL", "REPLAY", "REPLAY_SOURCES", "WANDB_MODES", "CollapseConfig", "Config", "EvalConfig",
     "LoggerConfig", "ModelConfig", "ObjectiveConfig", "RolloutConfig", "RoutingConfig", "SamplerConfig", "TaskConfig",
     "TrainerConfig", "WarmStartConfig", "check_finite", "check_kinds",
 ]
@@ -171,7 +171,7 @@ class Config:
                 "(the first mini-batch's ratio would not be 1); set sampler.logprobs=raw, or "
                 "sampler.keep_sampling_mask=true (the trainer's forwards then renormalise over the same nucleus)"
             )
-        if sp.engine == "vllm" and self.routing.replay_gates and self.routing.replay == "rollout":
+        if sp.engine == "vllm" and self.routing.replay_gates and REPLAY[self.routing.replay].recorded == SAMPLER:
             raise ValueError(
                 "routing.replay_gates=true under routing.replay=rollout needs the sampler's gates, and "
                 "sampler.engine=vllm records expert ids only: set routing.replay_gates=false or sampler.engine=hf"

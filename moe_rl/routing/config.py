@@ -2,13 +2,68 @@
 
 `RoutingConfig` is composed into `moe_rl.config.Config` as `routing`; `validate` checks the fields that read
 routing.* alone (the checks across sections are `Config.validate`'s). Imports nothing heavier than dataclasses.
+
+`REPLAY` has one row per replay source (routing.replay), read by `moe_rl.trainer.plan.RoutingPlan`; no module
+outside moe_rl/routing/ compares routing.replay with a name:
+
+| replay | old-policy forward | update forwards | replay reads | immune to |
+|---|---|---|---|---|
+| off | free | free | nothing | nothing |
+| old (R2) | free | the old-policy forward's routing | the old-policy forward's trace | drift, logit noise of scope update |
+| rollout (R3) | the sampler's routing | the sampler's routing | the sampler's trace | drift, logit noise of either scope |
+
+No replay is immune to routing.weight_noise: it changes the policy itself, so the sampler sees it too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-REPLAY_SOURCES = ("off", "old", "rollout")
+FREE, OLD_POLICY, SAMPLER = "free", "old_policy", "sampler"
+"""The routing a forward can use: its routers' own top-k, or the recorded routing of the old-policy forward
+or of the sampler."""
+PERTURBATIONS = ("drift", "update_noise", "trainer_noise")
+"""The injected perturbations a replay can be immune to: routing.drift, and routing.logit_noise under
+routing.noise_scope=update or trainer (`f"{noise_scope}_noise"`)."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One replay source: which routing each forward of an RL step uses, and what the replay is immune to."""
+
+    old_forward: str
+    """The routing of the old-policy forward: FREE, or SAMPLER (R3 replays the sampler's)."""
+    update_forward: str
+    """The routing of the update forwards: FREE, OLD_POLICY (R2) or SAMPLER (R3)."""
+    immune_to: tuple[str, ...]
+    """The PERTURBATIONS its forwards ignore because the replayed experts win (drift), or because the
+    routing it replays was recorded clean (logit noise)."""
+
+    @property
+    def recorded(self) -> str | None:
+        """The recorded trace the update forwards replay (expert ids [B, T, L, K], and their gates under
+        routing.replay_gates): OLD_POLICY or SAMPLER; None when they route freely."""
+        return None if self.update_forward == FREE else self.update_forward
+
+    @property
+    def replays(self) -> bool:
+        """Whether the update forwards replay recorded routing (R2 or R3)."""
+        return self.recorded is not None
+
+    def immune(self, perturbation: str) -> bool:
+        """Whether the replay's forwards ignore `perturbation` (one of PERTURBATIONS)."""
+        assert perturbation in PERTURBATIONS, perturbation
+        return perturbation in self.immune_to
+
+
+REPLAY: dict[str, Replay] = {
+    "off": Replay(old_forward=FREE, update_forward=FREE, immune_to=()),
+    "old": Replay(old_forward=FREE, update_forward=OLD_POLICY, immune_to=("drift", "update_noise")),
+    "rollout": Replay(old_forward=SAMPLER, update_forward=SAMPLER,
+                      immune_to=("drift", "update_noise", "trainer_noise")),
+}
+"""routing.replay -> its row (the table in the module docstring)."""
+REPLAY_SOURCES = tuple(REPLAY)
 NOISE_GROWTH = ("sqrt", "constant")
 NOISE_SCOPES = ("update", "trainer")
 
