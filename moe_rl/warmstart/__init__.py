@@ -40,7 +40,6 @@ the result and the cache format's constants), `demos` (demonstrations, their los
 lock), `build` (`warm_start`: a verified entry, or a build under the lock).
 """
 
-
 from __future__ import annotations
 
 import importlib
