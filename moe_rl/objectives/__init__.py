@@ -35,7 +35,8 @@ Any other caller may use the keyword form, which builds the inputs and returns f
 
 Unknown keywords raise TypeError; values that cannot apply (loss_agg other than seq-mean-token-mean for
 gspo or gmpo, beta > 0 without ref_logp, a dual-clip constant for cispo or gmpo, rollout_is without
-sampler_logp) raise ValueError. Each name's `Objective` states which options apply, for start-up validation of the config.
+sampler_logp) raise ValueError. Each name's `Objective` states which options apply, in its row of
+`capabilities.CAPABILITIES`, which start-up validation of the config reads without importing torch.
 
 Options every objective takes (see common.py): `kl_estimator` ∈ {k1, k2, k3, low_var_kl} picks the
 penalty kl(logp, ref) in `beta · agg(kl)`, with δ = ref_logp − logp: k1 = −δ, k2 = δ²/2,
@@ -106,51 +107,39 @@ and high_it = [Â_i > 0 ∧ d_it > clip_high]: the token's log-space clip is act
 
 from __future__ import annotations
 
-from moe_rl.objectives.cispo import CISPO, cispo
-from moe_rl.objectives.common import FOLDABLE_ROLLOUT_IS, group_advantages
-from moe_rl.objectives.config import ObjectiveConfig
-from moe_rl.objectives.dppo import DPPO_KL, DPPO_TOPK_KL, DPPO_TOPK_TV, DPPO_TV
-from moe_rl.objectives.gmpo import GMPO, gmpo
-from moe_rl.objectives.grpo import GRPO, grpo
-from moe_rl.objectives.gspo import GSPO, GSPO_TOKEN, gspo, gspo_token
-from moe_rl.objectives.sapo import SAPO, SAPO_SEQ
-from moe_rl.objectives.surrogate import Objective, ObjectiveInputs
-from moe_rl.objectives.topk import TopK
-from moe_rl.objectives.vespo import LUSPO, VESPO
+import importlib
+from typing import TYPE_CHECKING, Any
 
-OBJECTIVES: dict[str, Objective] = {
-    o.name: o
-    for o in (GRPO, GSPO, GSPO_TOKEN, CISPO, GMPO, SAPO, SAPO_SEQ, VESPO, LUSPO, DPPO_TV, DPPO_KL, DPPO_TOPK_TV,
-              DPPO_TOPK_KL)
+from moe_rl.objectives.capabilities import CAPABILITIES, Capabilities
+from moe_rl.objectives.config import ObjectiveConfig, validate_config
+
+if TYPE_CHECKING:
+    from moe_rl.objectives.cispo import cispo
+    from moe_rl.objectives.common import group_advantages
+    from moe_rl.objectives.gmpo import gmpo
+    from moe_rl.objectives.grpo import grpo
+    from moe_rl.objectives.gspo import gspo, gspo_token
+    from moe_rl.objectives.registry import OBJECTIVES
+    from moe_rl.objectives.surrogate import Objective, ObjectiveInputs
+    from moe_rl.objectives.topk import TopK
+
+_LAZY = {
+    "OBJECTIVES": "moe_rl.objectives.registry", "Objective": "moe_rl.objectives.surrogate",
+    "ObjectiveInputs": "moe_rl.objectives.surrogate", "TopK": "moe_rl.objectives.topk",
+    "cispo": "moe_rl.objectives.cispo", "gmpo": "moe_rl.objectives.gmpo", "grpo": "moe_rl.objectives.grpo",
+    "gspo": "moe_rl.objectives.gspo", "gspo_token": "moe_rl.objectives.gspo",
+    "group_advantages": "moe_rl.objectives.common",
 }
-"""The registry: the one lookup the trainer (and config validation) makes."""
+"""Imported on first use (PEP 562): the math needs torch, and the schema (`config`, `capabilities`, read by
+`moe_rl.config`) needs none of it."""
 
-
-def validate_config(cfg: ObjectiveConfig) -> None:
-    """Raise ValueError naming the first bad objective.* field: its own range checks (`cfg.validate`),
-    then those that read what the objective gives a meaning to (its `Objective` fields)."""
-    if cfg.name not in OBJECTIVES:
-        raise ValueError(f"objective.name={cfg.name!r}: expected one of {sorted(OBJECTIVES)}")
-    cfg.validate()
-    spec = OBJECTIVES[cfg.name]
-    if cfg.loss_agg not in spec.loss_aggs:
-        raise ValueError(f"objective.loss_agg={cfg.loss_agg!r}: {cfg.name} defines {', '.join(spec.loss_aggs)} only")
-    if not (cfg.clip_low <= 1 if spec.clip_low_may_be_one else cfg.clip_low < 1):
-        interval = "[0, 1]" if spec.clip_low_may_be_one else "[0, 1)"
-        raise ValueError(f"objective.clip_low={cfg.clip_low}: must be in {interval} for {cfg.name}")
-    if cfg.clip_ratio_c is not None and not spec.dual_clip:
-        raise ValueError(f"objective.clip_ratio_c={cfg.clip_ratio_c}: dual-clip caps PPO's min, which {cfg.name} "
-                         "does not have; set it to null")
-    if not spec.anchored and (cfg.anchor != "old" or cfg.kl_tau):
-        raise ValueError(f"objective.anchor={cfg.anchor!r}, objective.kl_tau={cfg.kl_tau}: only the DPPO family "
-                         f"reads them, not {cfg.name}; leave them at old and 0")
-    if spec.needs_topk and cfg.anchor != "sampler":
-        raise ValueError(f"objective.anchor={cfg.anchor!r}: {cfg.name} measures its divergence against the "
-                         "sampler's top-k distribution; set objective.anchor=sampler")
-    if spec.folds_rollout_is and cfg.rollout_is not in FOLDABLE_ROLLOUT_IS:
-        raise ValueError(f"objective.rollout_is={cfg.rollout_is!r}: {cfg.name} folds a token-level correction "
-                         f"into its weight, one of {FOLDABLE_ROLLOUT_IS} (as TRL)")
-
-
-__all__ = ["OBJECTIVES", "Objective", "ObjectiveConfig", "ObjectiveInputs", "TopK",
+__all__ = ["CAPABILITIES", "OBJECTIVES", "Capabilities", "Objective", "ObjectiveConfig", "ObjectiveInputs", "TopK",
            "cispo", "gmpo", "group_advantages", "grpo", "gspo", "gspo_token", "validate_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # once imported, a plain attribute
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

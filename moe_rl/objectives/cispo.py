@@ -26,8 +26,7 @@ Conventions against the other systems (same loss, different parametrisation):
 
 from __future__ import annotations
 
-from moe_rl.objectives.common import AGGREGATIONS
-from moe_rl.objectives.surrogate import Objective, Prepared, Ratio, Surrogate, token_ratio
+from moe_rl.objectives.surrogate import Prepared, Ratio, Surrogate, declared, token_ratio
 
 
 def truncated_weight_reinforce(ratio: Ratio, p: Prepared) -> Surrogate:
@@ -40,8 +39,5 @@ def truncated_weight_reinforce(ratio: Ratio, p: Prepared) -> Surrogate:
     return Surrogate(loss_BT, low_BT, high_BT, p.mask_BT, r_hat_BT)
 
 
-CISPO = Objective(
-    name="cispo", build_ratio=token_ratio, surrogate=truncated_weight_reinforce, ratio="token",
-    loss_aggs=tuple(AGGREGATIONS), default_loss_agg="token-mean", clip_low_may_be_one=True,
-)
+CISPO = declared("cispo", build_ratio=token_ratio, surrogate=truncated_weight_reinforce)
 cispo = CISPO

@@ -15,6 +15,12 @@ import torch
 from torch import Tensor
 
 from moe_rl import reduction as S
+from moe_rl.objectives.capabilities import (
+    AGGREGATION_NAMES,
+    KL_ESTIMATOR_NAMES,
+    ROLLOUT_IS_MODES,
+    SEQ_MEAN_TOKEN_MEAN,
+)
 from moe_rl.reduction import Stats
 
 LOG_RATIO_BOUND = 20.0
@@ -22,7 +28,6 @@ LOG_RATIO_BOUND = 20.0
 float32, squares included. Beyond the bound the clamp passes no gradient: a token (GRPO) or a sequence
 (GSPO) whose log-likelihood moved by more than 20 nats is far outside any trust region and is dropped."""
 
-SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 DEFAULT_EXTREME_BAND = (0.5, 2.0)
 DEFAULT_EXTREME_WEIGHT_BAND = (0.1, 10.0)
 """Ratios outside it count as extreme in `policy/extreme_weight_share` (objective.extreme_weight_band)."""
@@ -111,6 +116,7 @@ AGGREGATIONS = {
     "token-mean": token_mean,
     "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
 }
+assert tuple(AGGREGATIONS) == AGGREGATION_NAMES  # the names config validation reads (capabilities.py)
 
 
 def aggregation(loss_agg: str, max_len: int | None) -> Aggregate:
@@ -167,7 +173,7 @@ IS_WEIGHTED_KL = {"k3_unbiased": "k3"}
 (DeepSeek-V3.2, arXiv 2512.02556, §3.1, "unbiased KL estimate"; TRL use_bias_correction_kl, slime
 --use-unbiased-kl). As in TRL and slime r carries the gradient: ∇(r·k3) = r·(logp − ref_logp)·∇logp,
 the unbiased gradient of the reverse KL, whereas sg(r)·∇k3 would not be (π_old is the constant)."""
-KL_ESTIMATOR_NAMES = (*KL_ESTIMATORS, *IS_WEIGHTED_KL)
+assert (*KL_ESTIMATORS, *IS_WEIGHTED_KL) == KL_ESTIMATOR_NAMES  # the names config validation reads
 
 
 def kl_penalty(
@@ -198,12 +204,6 @@ def kl_penalty(
     return beta * kl, {"policy/ref_kl": S.ratio(kl.detach().double() * w, w)}
 
 
-ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
-                    "geo_sequence_truncate", "geo_sequence_mask", "icepop")
-"""Rollout importance-sampling correction modes: TRL's `vllm_importance_sampling_mode` names, the
-geometric-mean sequence modes of "When Speed Kills Stability" (verl rollout_rs=geometric), and IcePop."""
-FOLDABLE_ROLLOUT_IS = ("none", "token_truncate", "token_mask")
-"""The modes an objective that folds the correction into its own weight takes (VESPO; TRL refuses the others)."""
 
 
 def sequence_weights(diff_BT: Tensor, mask_BT: Tensor) -> Tensor:

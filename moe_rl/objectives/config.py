@@ -4,14 +4,21 @@ The trainer builds `ObjectiveInputs(tensors..., cfg=cfg.objective)` and the obje
 gives a meaning to, so a new option is a field here, its use in the objective, and its YAML: no copy list
 between them (verl hands its policy loss the config the same way). `validate` checks each field's own
 range; the checks that need the objective's capabilities (which loss_agg it defines, whether it has a min
-for dual-clip, ...) are `moe_rl.objectives.validate_config`, which reads the registry.
+for dual-clip, ...) are `validate_config`, which reads the objective's row of `capabilities.CAPABILITIES`
+(the rows the registry's objectives are built from), so validation never imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_rl.objectives.common import AGGREGATIONS, KL_ESTIMATOR_NAMES, ROLLOUT_IS_MODES
+from moe_rl.objectives.capabilities import (
+    AGGREGATION_NAMES,
+    CAPABILITIES,
+    FOLDABLE_ROLLOUT_IS,
+    KL_ESTIMATOR_NAMES,
+    ROLLOUT_IS_MODES,
+)
 
 ANCHORS = ("old", "sampler")
 """objective.anchor values: the policy a DPPO divergence is measured from."""
@@ -109,8 +116,8 @@ class ObjectiveConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field (the checks that read objective.* alone)."""
-        if self.loss_agg not in AGGREGATIONS:
-            raise ValueError(f"objective.loss_agg={self.loss_agg!r}: expected one of {sorted(AGGREGATIONS)}")
+        if self.loss_agg not in AGGREGATION_NAMES:
+            raise ValueError(f"objective.loss_agg={self.loss_agg!r}: expected one of {sorted(AGGREGATION_NAMES)}")
         if not 0 <= self.clip_low <= 1:
             raise ValueError(f"objective.clip_low={self.clip_low}: must be in [0, 1)")
         if self.kl_estimator not in KL_ESTIMATOR_NAMES:
@@ -156,3 +163,29 @@ class ObjectiveConfig:
         band = self.extreme_weight_band
         if len(band) != 2 or not 0 <= band[0] < 1 < band[1]:
             raise ValueError(f"objective.extreme_weight_band={band}: expected [lo, hi] with 0 <= lo < 1 < hi")
+
+
+def validate_config(cfg: ObjectiveConfig) -> None:
+    """Raise ValueError naming the first bad objective.* field: its own range checks (`cfg.validate`),
+    then those that read what the objective gives a meaning to (its `Capabilities` row)."""
+    if cfg.name not in CAPABILITIES:
+        raise ValueError(f"objective.name={cfg.name!r}: expected one of {sorted(CAPABILITIES)}")
+    cfg.validate()
+    spec = CAPABILITIES[cfg.name]
+    if cfg.loss_agg not in spec.loss_aggs:
+        raise ValueError(f"objective.loss_agg={cfg.loss_agg!r}: {cfg.name} defines {', '.join(spec.loss_aggs)} only")
+    if not (cfg.clip_low <= 1 if spec.clip_low_may_be_one else cfg.clip_low < 1):
+        interval = "[0, 1]" if spec.clip_low_may_be_one else "[0, 1)"
+        raise ValueError(f"objective.clip_low={cfg.clip_low}: must be in {interval} for {cfg.name}")
+    if cfg.clip_ratio_c is not None and not spec.dual_clip:
+        raise ValueError(f"objective.clip_ratio_c={cfg.clip_ratio_c}: dual-clip caps PPO's min, which {cfg.name} "
+                         "does not have; set it to null")
+    if not spec.anchored and (cfg.anchor != "old" or cfg.kl_tau):
+        raise ValueError(f"objective.anchor={cfg.anchor!r}, objective.kl_tau={cfg.kl_tau}: only the DPPO family "
+                         f"reads them, not {cfg.name}; leave them at old and 0")
+    if spec.needs_topk and cfg.anchor != "sampler":
+        raise ValueError(f"objective.anchor={cfg.anchor!r}: {cfg.name} measures its divergence against the "
+                         "sampler's top-k distribution; set objective.anchor=sampler")
+    if spec.folds_rollout_is and cfg.rollout_is not in FOLDABLE_ROLLOUT_IS:
+        raise ValueError(f"objective.rollout_is={cfg.rollout_is!r}: {cfg.name} folds a token-level correction "
+                         f"into its weight, one of {FOLDABLE_ROLLOUT_IS} (as TRL)")

@@ -41,8 +41,7 @@ import torch
 from torch import Tensor
 
 from moe_rl import reduction as S
-from moe_rl.objectives.common import AGGREGATIONS
-from moe_rl.objectives.surrogate import Objective, Prepared, Ratio, Surrogate, token_ratio
+from moe_rl.objectives.surrogate import Prepared, Ratio, Surrogate, declared, token_ratio
 from moe_rl.objectives.topk import topk_divergence
 
 BERNOULLI_EPS = 1e-8
@@ -91,13 +90,7 @@ def trust_region(divergence: str) -> Callable[[Ratio, Prepared], Surrogate]:
     return surrogate
 
 
-def dppo(name: str, divergence: str) -> Objective:
-    return Objective(
-        name=name, build_ratio=token_ratio, surrogate=trust_region(divergence), ratio="token",
-        loss_aggs=tuple(AGGREGATIONS), default_loss_agg="token-mean", anchored=True,
-        needs_topk=divergence.startswith("topk"),
-    )
-
-
-DPPO_TV, DPPO_KL = dppo("dppo_tv", "tv"), dppo("dppo_kl", "kl")
-DPPO_TOPK_TV, DPPO_TOPK_KL = dppo("dppo_topk_tv", "topk_tv"), dppo("dppo_topk_kl", "topk_kl")
+DPPO_TV = declared("dppo_tv", build_ratio=token_ratio, surrogate=trust_region("tv"))
+DPPO_KL = declared("dppo_kl", build_ratio=token_ratio, surrogate=trust_region("kl"))
+DPPO_TOPK_TV = declared("dppo_topk_tv", build_ratio=token_ratio, surrogate=trust_region("topk_tv"))
+DPPO_TOPK_KL = declared("dppo_topk_kl", build_ratio=token_ratio, surrogate=trust_region("topk_kl"))

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.objectives.common import LOG_RATIO_BOUND, SEQ_MEAN_TOKEN_MEAN, seq_log_ratio
-from moe_rl.objectives.surrogate import Objective, Prepared, Ratio, Surrogate
+from moe_rl.objectives.common import LOG_RATIO_BOUND, seq_log_ratio
+from moe_rl.objectives.surrogate import Prepared, Ratio, Surrogate, declared
 
 
 def geo_mean_clipped_ratio(p: Prepared) -> Ratio:
@@ -54,8 +54,5 @@ def policy_gradient(ratio: Ratio, p: Prepared) -> Surrogate:
     return Surrogate(-ratio.value * p.adv, ratio.low_BT, ratio.high_BT, keep_BT, ratio.value)
 
 
-GMPO = Objective(
-    name="gmpo", build_ratio=geo_mean_clipped_ratio, surrogate=policy_gradient, ratio="seq",
-    loss_aggs=(SEQ_MEAN_TOKEN_MEAN,), seq_advantages_only=True,
-)
+GMPO = declared("gmpo", build_ratio=geo_mean_clipped_ratio, surrogate=policy_gradient)
 gmpo = GMPO

@@ -20,11 +20,7 @@ weight (1 when rollout_is="none"). A token counts as clipped when its w_it is; a
 
 from __future__ import annotations
 
-from moe_rl.objectives.common import AGGREGATIONS
-from moe_rl.objectives.surrogate import Objective, ppo_clip, token_ratio
+from moe_rl.objectives.surrogate import declared, ppo_clip, token_ratio
 
-GRPO = Objective(
-    name="grpo", build_ratio=token_ratio, surrogate=ppo_clip, ratio="token", loss_aggs=tuple(AGGREGATIONS),
-    dual_clip=True,
-)
+GRPO = declared("grpo", build_ratio=token_ratio, surrogate=ppo_clip)
 grpo = GRPO

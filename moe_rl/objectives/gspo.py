@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.objectives.common import SEQ_MEAN_TOKEN_MEAN, seq_log_ratio
-from moe_rl.objectives.surrogate import Objective, Prepared, Ratio, ppo_clip, seq_ratio
+from moe_rl.objectives.common import seq_log_ratio
+from moe_rl.objectives.surrogate import Prepared, Ratio, declared, ppo_clip, seq_ratio
 
 
 def seq_token_ratio(p: Prepared) -> Ratio:
@@ -39,12 +39,6 @@ def seq_token_ratio(p: Prepared) -> Ratio:
     return Ratio(s_BT, s_B, p.mask_BT)  # no clamp acts on the token term's gradient
 
 
-GSPO = Objective(
-    name="gspo", build_ratio=seq_ratio, surrogate=ppo_clip, ratio="seq", loss_aggs=(SEQ_MEAN_TOKEN_MEAN,),
-    dual_clip=True, seq_advantages_only=True,
-)
-GSPO_TOKEN = Objective(
-    name="gspo_token", build_ratio=seq_token_ratio, surrogate=ppo_clip, ratio="seq",
-    loss_aggs=(SEQ_MEAN_TOKEN_MEAN,), dual_clip=True,
-)
+GSPO = declared("gspo", build_ratio=seq_ratio, surrogate=ppo_clip)
+GSPO_TOKEN = declared("gspo_token", build_ratio=seq_token_ratio, surrogate=ppo_clip)
 gspo, gspo_token = GSPO, GSPO_TOKEN

@@ -25,13 +25,12 @@ from __future__ import annotations
 import torch
 
 from moe_rl import reduction as S
-from moe_rl.objectives.common import AGGREGATIONS, SEQ_MEAN_TOKEN_MEAN
 from moe_rl.objectives.surrogate import (
-    Objective,
     Prepared,
     Ratio,
     Surrogate,
     broadcast,
+    declared,
     seq_ratio,
     token_ratio,
 )
@@ -52,10 +51,5 @@ def soft_gate(ratio: Ratio, p: Prepared) -> Surrogate:
     return Surrogate(loss, None, None, keep_BT, (factor * rho).detach(), stats)
 
 
-SAPO = Objective(
-    name="sapo", build_ratio=token_ratio, surrogate=soft_gate, ratio="token", loss_aggs=tuple(AGGREGATIONS),
-)
-SAPO_SEQ = Objective(
-    name="sapo_seq", build_ratio=seq_ratio, surrogate=soft_gate, ratio="seq", loss_aggs=(SEQ_MEAN_TOKEN_MEAN,),
-    seq_advantages_only=True,
-)
+SAPO = declared("sapo", build_ratio=token_ratio, surrogate=soft_gate)
+SAPO_SEQ = declared("sapo_seq", build_ratio=seq_ratio, surrogate=soft_gate)

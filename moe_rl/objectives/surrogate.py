@@ -35,10 +35,9 @@ from torch import Tensor
 
 from moe_rl import reduction as S
 from moe_rl.objectives import diagnostics as D
+from moe_rl.objectives.capabilities import CAPABILITIES, FOLDABLE_ROLLOUT_IS, Capabilities
 from moe_rl.objectives.common import (
-    FOLDABLE_ROLLOUT_IS,
     LOG_RATIO_BOUND,
-    SEQ_MEAN_TOKEN_MEAN,
     Aggregate,
     aggregation,
     check_corrections,
@@ -141,31 +140,13 @@ SurrogateFn = Callable[[Ratio, Prepared], Surrogate]
 
 
 @dataclass(frozen=True)
-class Objective:
-    """An objective: a ratio, a surrogate, and which options give them a meaning (config reads these)."""
+class Objective(Capabilities):
+    """An objective: a ratio, a surrogate, and which options give them a meaning (its `Capabilities` row,
+    which config reads without importing torch)."""
 
-    name: str
+    _: KW_ONLY
     build_ratio: RatioFn
     surrogate: SurrogateFn
-    ratio: str
-    """The ratio whose extremes collapse detection watches: `token` (r_it) or `seq` (s_i)."""
-    loss_aggs: tuple[str, ...]
-    """The loss_agg values it defines (a per-sequence loss has only seq-mean-token-mean)."""
-    default_loss_agg: str = SEQ_MEAN_TOKEN_MEAN
-    dual_clip: bool = False
-    """Whether clip_ratio_c applies (PPO's min is there to cap)."""
-    seq_advantages_only: bool = False
-    """Whether advantages must be [B] (the trainer's are)."""
-    clip_low_may_be_one: bool = False
-    """Whether clip_low = 1 (no lower bound) is allowed."""
-
-    folds_rollout_is: bool = False
-    """Whether the ratio takes the rollout IS correction inside it (VESPO: into log w), so that `compute`
-    does not multiply the loss by ω again."""
-    anchored: bool = False
-    """Whether it reads objective.anchor (the DPPO family): anchor=sampler builds its ratio on μ."""
-    needs_topk: bool = False
-    """Whether it reads the sampler's top-k distribution (`ObjectiveInputs.topk`; the sampler records it)."""
 
     def compute(self, x: ObjectiveInputs) -> tuple[Tensor, S.Stats]:
         """(loss, stats): the scalar to minimise and its diagnostics as reducible `Stats`."""
@@ -188,6 +169,13 @@ class Objective:
 
 INPUT_FIELDS = {f.name for f in fields(ObjectiveInputs)} - {"logp", "old_logp", "advantages", "mask", "cfg"}
 """The keyword form's names that are ObjectiveInputs' own rather than the config's."""
+
+
+def declared(name: str, build_ratio: RatioFn, surrogate: SurrogateFn) -> Objective:
+    """The objective `name`: its row of `CAPABILITIES` with its ratio and surrogate."""
+    row = CAPABILITIES[name]
+    return Objective(**{f.name: getattr(row, f.name) for f in fields(row)}, build_ratio=build_ratio,
+                     surrogate=surrogate)
 
 
 def check(obj: Objective, x: ObjectiveInputs, loss_agg: str) -> None:

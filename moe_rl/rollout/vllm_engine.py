@@ -61,8 +61,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.errors import RunError
+from moe_rl.rollout.config import SamplerConfig
 from moe_rl.rollout.forward import position_ids_from_mask, token_logprobs
-from moe_rl.rollout.sampler import Rollout, SamplerConfig
+from moe_rl.rollout.sampler import Rollout
 from moe_rl.routing import RoutingTrace
 from moe_rl.routing.controller import RoutingReplayError
 from moe_rl.routing.metrics import token_change_fraction

@@ -86,8 +86,8 @@ import math
 import warnings
 from dataclasses import asdict, dataclass, field
 
-from moe_rl.config import COLLAPSE_KINDS, FAILURE_KINDS, CollapseConfig
 from moe_rl.trainer.changepoint import MIN_H_PER_K, LevelDrop
+from moe_rl.trainer.config import COLLAPSE_KINDS, FAILURE_KINDS, CollapseConfig
 
 KINDS = COLLAPSE_KINDS
 assert set(FAILURE_KINDS) <= set(KINDS)

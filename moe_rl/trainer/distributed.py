@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_rl.config import TrainerConfig
+from moe_rl.trainer.config import TrainerConfig
 
 T = TypeVar("T")
 

@@ -40,9 +40,9 @@ import time
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from moe_rl.config import EvalConfig
 from moe_rl.rollout import SamplerConfig, response_logprobs, sample
 from moe_rl.tasks import Example, Task
+from moe_rl.trainer.config import EvalConfig
 from moe_rl.warmstart import answer_ids
 
 

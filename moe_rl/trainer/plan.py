@@ -1,6 +1,7 @@
 """`RoutingPlan`: which routing each forward of an RL step uses. The one owner of the replay source
-(routing.replay), the logit noise (its scope and growth), drift, the router-weight noise and the experts
-RSPO's router shift compares against; no other module branches on them.
+(routing.replay, whose row of `moe_rl.routing.config.REPLAY` it reads), the logit noise (its scope and
+growth), drift, the router-weight noise and the experts RSPO's router shift compares against; no other module
+branches on them.
 
 | perturbation | forwards | replay |
 |---|---|---|
@@ -27,11 +28,12 @@ import torch
 
 from moe_rl.rollout.forward import position_ids_from_mask
 from moe_rl.routing import Drift, LogitNoise, RoutingReplayError, RoutingTrace, logit_noise, noise_scale
-from moe_rl.trainer.precision import MasterAdamW
+from moe_rl.routing.config import FREE, OLD_POLICY, REPLAY, SAMPLER, Replay
+from moe_rl.trainer.precision import master_copies
 
 if TYPE_CHECKING:
-    from moe_rl.config import RoutingConfig
     from moe_rl.routing import RoutingController
+    from moe_rl.routing.config import RoutingConfig
     from moe_rl.trainer.batch import Batch
 
 
@@ -46,7 +48,7 @@ class UpdateRouting:
 
 def perturbs(r: RoutingConfig) -> bool:
     """Whether the config replays or injects any routing perturbation (moe-rl-calibrate applies its own)."""
-    return bool(r.drift or r.logit_noise or r.weight_noise or r.replay != "off")
+    return bool(r.drift or r.logit_noise or r.weight_noise or REPLAY[r.replay].replays)
 
 
 @dataclass
@@ -62,9 +64,20 @@ class RoutingPlan:
     seed: int
 
     @property
+    def source(self) -> Replay:
+        """The replay source's row: which routing each forward uses and what it is immune to."""
+        return REPLAY[self.routing.replay]
+
+    @property
     def replays(self) -> bool:
         """Whether the update forwards replay recorded routing (R2 or R3)."""
-        return self.routing.replay != "off"
+        return self.source.replays
+
+    @property
+    def records_gates(self) -> bool:
+        """Whether the old-policy forward records its gates with its expert ids (routing.replay_gates), for
+        a replay of them."""
+        return self.routing.replay_gates
 
     def replay_cache_bytes(self, old_trace: RoutingTrace) -> float:
         """Bytes of expert ids a replay holds for the step (0 when replay is off)."""
@@ -79,14 +92,14 @@ class RoutingPlan:
     def activated(self, sl: slice, old_trace: RoutingTrace) -> RoutingTrace:
         """The experts the old policy activated on mini-batch `sl` (RSPO's router shift): its own top-k, or
         under R3 the sampler's that it replayed."""
-        return self.sampler_trace(sl) if self.routing.replay == "rollout" else old_trace
+        return self.sampler_trace(sl) if self.source.old_forward == SAMPLER else old_trace
 
     @contextlib.contextmanager
     def old(self, sl: slice) -> Iterator[None]:
         """The old-policy forward of mini-batch `sl`: R3 replays the sampler's routing; scope-trainer noise
         perturbs it (the same ε as every update forward of these rows)."""
         with contextlib.ExitStack() as stack:
-            if self.routing.replay == "rollout":
+            if self.source.old_forward == SAMPLER:
                 stack.enter_context(self.controller.replay(self.sampler_trace(sl), self.routing.replay_gates,
                                                            self.routing.replay_score_ratio))
             stack.enter_context(self._noising(sl, "old"))
@@ -97,8 +110,8 @@ class RoutingPlan:
         """The update forward of mini-batch j (0-based) over rows `sl`: replay (R2: `old_trace`, R3: the
         sampler's), drift and logit noise as the table says; yields what it ran under (`UpdateRouting`)."""
         with contextlib.ExitStack() as stack:
-            trace = {"off": lambda: None, "old": lambda: old_trace, "rollout": lambda: self.sampler_trace(sl)}[
-                self.routing.replay
+            trace = {FREE: lambda: None, OLD_POLICY: lambda: old_trace, SAMPLER: lambda: self.sampler_trace(sl)}[
+                self.source.update_forward
             ]()
             used = UpdateRouting()
             if trace is not None:
@@ -117,7 +130,7 @@ class RoutingPlan:
     def drifts(self, j: int) -> bool:
         """Whether update forward j drifts: p > 0, replay off (replay wins), j + 1 >= drift_from_minibatch."""
         r = self.routing
-        return r.drift > 0 and r.replay == "off" and j + 1 >= r.drift_from_minibatch
+        return r.drift > 0 and not self.source.immune("drift") and j + 1 >= r.drift_from_minibatch
 
     def measures_drift(self) -> bool:
         """Whether the step logs `routing/drift/applied_frac` (drift configured, even where replay wins)."""
@@ -128,9 +141,12 @@ class RoutingPlan:
         return range(self.routing.drift_from_minibatch - 1, M)
 
     def _noise_on(self, forward: str) -> bool:
-        if self.routing.noise_scope == "trainer":  # the trainer's routing itself; R3 replays the sampler's
-            return self.routing.replay != "rollout"
-        return forward == "update" and self.routing.replay == "off"  # R2 and R3 replay clean routing
+        # Scope update: R2 and R3 replay clean routing. Scope trainer: the trainer's routing itself, both
+        # forwards; only R3, which replays the sampler's, is immune.
+        scope = self.routing.noise_scope
+        if self.source.immune(f"{scope}_noise"):
+            return False
+        return scope == "trainer" or forward == "update"
 
     def _noising(self, sl: slice, forward: str, j: int = 0):
         scale = noise_scale(self.routing.logit_noise, self.routing.noise_growth, j)
@@ -141,7 +157,7 @@ class RoutingPlan:
     def noise_sigma(self, j: int) -> float:
         """The logit-noise scale that re-routes update forward j beyond the old forward: σ_j under scope
         update with replay off, else 0 (scope trainer gives both forwards one ε; replay is immune)."""
-        noisy = self.routing.noise_scope == "update" and self.routing.replay == "off"
+        noisy = self.routing.noise_scope == "update" and not self.source.immune("update_noise")
         return noise_scale(self.routing.logit_noise, self.routing.noise_growth, j) if noisy else 0.0
 
     @torch.no_grad()
@@ -153,9 +169,7 @@ class RoutingPlan:
         if sigma == 0:
             return
         g = _generator(self.seed, self.step, j)
-        master = {}
-        if isinstance(optimizer, MasterAdamW):
-            master = {id(p): m for p, m in zip(optimizer.model_params, optimizer.master_params, strict=True)}
+        master = master_copies(optimizer)
         for router in self.controller.routers:
             w = router.weight
             noise = (torch.randn(w.shape, generator=g, dtype=torch.float32) * sigma).to(w.device)

@@ -83,6 +83,14 @@ class MasterAdamW(torch.optim.AdamW):
                 p.copy_(m)
 
 
+def master_copies(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """id(model parameter) -> its float32 master weight when `optimizer` keeps them (`MasterAdamW`); {} for
+    an optimizer that updates the parameters themselves."""
+    if not isinstance(optimizer, MasterAdamW):
+        return {}
+    return {id(p): m for p, m in zip(optimizer.model_params, optimizer.master_params, strict=True)}
+
+
 def router_param_groups(
     model: torch.nn.Module, routers: Iterable[torch.nn.Module], lr: float, scale: float
 ) -> Iterable[torch.nn.Parameter] | list[dict[str, Any]]:

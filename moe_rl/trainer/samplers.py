@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.rollout import Rollout, sample
-from moe_rl.rollout.sampler import SamplerConfig
+from moe_rl.rollout.config import SamplerConfig
 from moe_rl.rollout.vllm_engine import VllmEngine
 from moe_rl.routing import RoutingController
 from moe_rl.tasks import Example, Task

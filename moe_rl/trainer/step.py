@@ -180,7 +180,7 @@ def old_policy(ctx: StepContext, batch: Batch, plan: RoutingPlan) -> OldPolicy:
     R = batch.response_mask_BR.shape[1]
     logps, traces = [], []
     for sl in batch.minibatches:
-        with ctx.controller.record(with_logits=True, with_gates=ctx.cfg.routing.replay_gates) as rec, plan.old(sl):
+        with ctx.controller.record(with_logits=True, with_gates=plan.records_gates) as rec, plan.old(sl):
             logps.append(
                 response_logprobs(
                     ctx.model,

@@ -40,12 +40,32 @@ the result and the cache format's constants), `demos` (demonstrations, their los
 lock), `build` (`warm_start`: a verified entry, or a build under the lock).
 """
 
+from __future__ import annotations
 
-from moe_rl.warmstart.build import warm_start
-from moe_rl.warmstart.cache import cache_key, warm_start_dir
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from moe_rl.warmstart.config import BUILD_THREADS, FORMAT_VERSION, META_FILE, WarmStartConfig, WarmStartResult
-from moe_rl.warmstart.demos import answer_ids, demonstration_batch, demonstration_loss, heldout_accuracy
-from moe_rl.warmstart.search import LR_BACKOFF, band_search
+
+if TYPE_CHECKING:
+    from moe_rl.warmstart.build import warm_start
+    from moe_rl.warmstart.cache import cache_key, warm_start_dir
+    from moe_rl.warmstart.demos import answer_ids, demonstration_batch, demonstration_loss, heldout_accuracy
+    from moe_rl.warmstart.search import LR_BACKOFF, band_search
+
+_LAZY = {
+    "warm_start": "moe_rl.warmstart.build",
+    "cache_key": "moe_rl.warmstart.cache",
+    "warm_start_dir": "moe_rl.warmstart.cache",
+    "answer_ids": "moe_rl.warmstart.demos",
+    "demonstration_batch": "moe_rl.warmstart.demos",
+    "demonstration_loss": "moe_rl.warmstart.demos",
+    "heldout_accuracy": "moe_rl.warmstart.demos",
+    "LR_BACKOFF": "moe_rl.warmstart.search",
+    "band_search": "moe_rl.warmstart.search",
+}
+"""Imported on first use (PEP 562): the build needs torch, and the schema (`config`, read by `moe_rl.config`)
+needs none of it."""
 
 __all__ = [
     "BUILD_THREADS",
@@ -63,3 +83,11 @@ __all__ = [
     "warm_start",
     "warm_start_dir",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # once imported, a plain attribute
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

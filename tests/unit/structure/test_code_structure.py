@@ -1,6 +1,7 @@
 """The code's shape, checked over the source with `ast`: no private name is imported across modules, the
 library (moe_rl/) never imports the analysis (analysis/), and one module alone decides which routing a
-forward uses (moe_rl/trainer/plan.py)."""
+forward uses (moe_rl/trainer/plan.py), reading the replay source's row of `moe_rl.routing.config.REPLAY`
+rather than comparing routing.replay with a name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ PACKAGES = ("moe_rl", "analysis", "experiments", "tests")
 ROUTING_FIELDS = {"replay", "noise_scope"}
 """RoutingConfig fields whose value decides which routing a forward uses."""
 PLAN = "moe_rl/trainer/plan.py"
+ROUTING_PACKAGE = "moe_rl/routing/"
+"""Where the replay sources are named: their table (REPLAY) and RoutingConfig.validate."""
 
 
 def _sources(*packages: str) -> list[Path]:
@@ -76,6 +79,52 @@ def routing_branches(sources: list[Path], root: Path = ROOT) -> dict[str, list[i
                 if isinstance(part, ast.Attribute) and part.attr in ROUTING_FIELDS:
                     out.setdefault(str(p.relative_to(root)), []).append(node.lineno)
     return out
+
+
+def _is_replay(node: ast.expr) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "replay" or isinstance(node, ast.Name) and node.id == "replay"
+
+
+def _is_names(node: ast.expr) -> bool:
+    """A string, or a tuple, list or set literal holding one."""
+    items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    return any(isinstance(i, ast.Constant) and isinstance(i.value, str) for i in items)
+
+
+def replay_comparisons(sources: list[Path], root: Path = ROOT) -> list[str]:
+    """`file:line` for every comparison of a `replay` (attribute or name) with a string or a literal of
+    strings (`replay == "old"`, `"rollout" != cfg.replay`, `replay in ("old", "rollout")`)."""
+    found = []
+    for p in sources:
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(map(_is_replay, operands)) and any(map(_is_names, operands)):
+                    found.append(f"{p.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_no_module_outside_routing_compares_the_replay_source_with_a_name():
+    """Outside moe_rl/routing/ no module of moe_rl/ compares routing.replay with a string: each reads the
+    source's row of moe_rl.routing.config.REPLAY (which routing each forward uses, what it is immune to)."""
+    sources = [p for p in _sources("moe_rl") if not str(p.relative_to(ROOT)).startswith(ROUTING_PACKAGE)]
+    assert replay_comparisons(sources) == []
+
+
+def test_the_scan_finds_a_comparison_of_the_replay_source(tmp_path):
+    """==, != and `in` a literal of names are found, with the name on either side; a row lookup, a call
+    and a comparison of another field are not."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "def f(cfg, replay, ctl, t):\n"
+        "    a = cfg.routing.replay == 'old'\n"
+        "    b = 'rollout' != replay\n"
+        "    c = cfg.replay in ('old', 'rollout')\n"
+        "    d = REPLAY[cfg.routing.replay].update_forward == SAMPLER\n"
+        "    e = cfg.routing.noise_scope == 'update'\n"
+        "    return ctl.replay(t), a, b, c, d, e\n"
+    )
+    assert replay_comparisons([src], tmp_path) == ["m.py:2", "m.py:3", "m.py:4"]
 
 
 def test_no_private_name_is_imported_across_modules():

@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parents[3]
 LAYERS: list[tuple[str, ...]] = [
     ("moe_rl.errors", "moe_rl.reduction", "moe_rl.json_numbers", "moe_rl.provenance"),
     ("moe_rl.objectives", "moe_rl.routing", "moe_rl.tasks"),
-    ("moe_rl.models", "moe_rl.rollout"),  # the tokenizer knows a task's alphabet; the sampler records routing
-    ("moe_rl.config",),  # the schema: every section's dataclass and its validate, no I/O
+    # the tokenizer knows a task's alphabet; the sampler records routing; the trainer's and the warm start's
+    # sections of the schema sit beside their packages but below moe_rl.config, which composes them
+    ("moe_rl.models", "moe_rl.rollout", "moe_rl.trainer.config", "moe_rl.warmstart.config"),
+    ("moe_rl.config",),  # the schema: the sections composed into Config, and the checks across them; no I/O
     ("moe_rl.warmstart",),
     ("moe_rl.startup",),  # start-up checks that read files, build the task or look at the machine
     ("moe_rl.trainer",),  # moe_rl.trainer.run calls the start-up checks, which every rank enters
