@@ -105,7 +105,7 @@ def check_launch(cfg: Config, world: int) -> None:
         # Imported here, as every import of transformers' model code: moe-rl-train imports this module at once.
         from moe_rl.rollout.vllm_engine import require_vllm
 
-        require_vllm()  # under torchrun, one engine per rank (moe_rl.trainer.run._vllm_engine)
+        require_vllm()  # under torchrun, one engine per rank (moe_rl.trainer.sampling.vllm_sampler)
         tp = cfg.sampler.tensor_parallel_size
         if world % tp:
             raise LaunchError(

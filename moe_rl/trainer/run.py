@@ -33,7 +33,6 @@ from moe_rl.models.build import unloadable
 from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.objectives import OBJECTIVES
 from moe_rl.provenance import provenance
-from moe_rl.rollout.vllm_engine import VllmEngine, write_checkpoint
 from moe_rl.routing import RoutingController, float32_routers
 from moe_rl.startup import (
     check_chat_template,
@@ -86,8 +85,9 @@ from moe_rl.trainer.logging import (
     to_json,
 )
 from moe_rl.trainer.precision import make_optimizer, router_param_groups
-from moe_rl.trainer.samplers import CopySampler, Draws, PolicySampler, Sampler, VllmSampler, chat_prompt
-from moe_rl.trainer.stale import OverlapSampler, StaleSampler, thread_split
+from moe_rl.trainer.samplers import Draws, chat_prompt
+from moe_rl.trainer.sampling import build_sampler
+from moe_rl.trainer.stale import thread_split
 from moe_rl.trainer.step import StepContext, rl_step
 from moe_rl.warmstart import warm_start
 
@@ -160,7 +160,7 @@ def build_context(cfg: Config, dist: Dist | None = None, task: Task | None = Non
     sample_gen = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)
     prompt = functools.partial(chat_prompt, tokenizer) if cfg.task.chat_template else (lambda text: text)
     draws = Draws(cfg.seed, t.prompts_per_step, t.group_size, prompt)
-    sampler = _sampler(cfg, model, tokenizer, controller, draws, sample_gen, dist, sharded)
+    sampler = build_sampler(cfg, model, tokenizer, controller, draws, sample_gen, dist, sharded)
     train_model = wrap(model, t.parallel, dist, t.device)
     if sharded and ref is not None:
         shard(ref)
@@ -205,52 +205,6 @@ def build_context(cfg: Config, dist: Dist | None = None, task: Task | None = Non
     sampler.verify(model, ctx.controller, probe, probe_ids)
     info = {"warmstart_accuracy": ws.accuracy if ws else None, "warmstart_path": str(ws.path) if ws else None}
     return ctx, info
-
-
-def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws: Draws,
-             sample_gen: torch.Generator, dist: Dist, sharded: bool) -> Sampler:
-    """The run's sampler (moe_rl.trainer.samplers): vLLM, a copy at trainer.sampler_dtype, or the policy."""
-    t = cfg.trainer
-    topk = cfg.objective.topk if OBJECTIVES[cfg.objective.name].needs_topk else 0  # the DPPO top-k divergences
-    if cfg.sampler.engine == "vllm":
-        return _stale(cfg, VllmSampler(draws, _vllm_engine(cfg, model, tokenizer, controller, dist, topk)))
-    ro = cfg.rollout
-    # A stale sampler records its router logits: the margin prediction of its change (routing/margin/*).
-    hf = dict(config=cfg.sampler, generator=sample_gen, record_logits=t.reuse_sampler_logp or ro.staleness > 0,
-              record_gates=cfg.routing.replay_gates,
-              all_done=dist.all_done if sharded else None, topk=topk)
-    if ro.overlap:  # the background thread samples with a copy of its own, at the sampler's dtype
-        hf["generator"] = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)
-    if ro.overlap or (t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype):
-        copy_ = controller.detached_copy(model).to(getattr(torch, t.sampler_dtype or cfg.model.dtype)).eval().requires_grad_(False)
-        if cfg.model.router_dtype == "float32":
-            float32_routers(copy_)
-        return _stale(cfg, CopySampler(draws, copy_, RoutingController(copy_), tokenizer, **hf))
-    return _stale(cfg, PolicySampler(draws, model, controller, tokenizer, **hf))
-
-
-def _vllm_engine(cfg: Config, model, tokenizer, controller: RoutingController, dist: Dist, topk: int = 0) -> VllmEngine:
-    """This rank's vLLM engine. Under torchrun rank 0 writes the checkpoint every engine starts from (the
-    others wait for its path). A rank whose engine cannot start exits at once with its error, naming the rank,
-    and torchrun then stops the others (they may be waiting inside vLLM's start-up for it)."""
-    t = cfg.trainer
-    checkpoint = dist.broadcast(write_checkpoint(model, tokenizer) if dist.main else None) if dist.world > 1 else None
-    try:
-        return VllmEngine(model, tokenizer, cfg.sampler, dtype=t.sampler_dtype or cfg.model.dtype, seed=cfg.seed,
-                          max_rows=t.prompts_per_step * t.group_size,
-                          routers=(controller.num_layers, controller.num_experts), checkpoint=checkpoint, topk=topk)
-    except RunError as err:
-        if dist.world == 1:
-            raise
-        raise RunError(f"rank {dist.rank} of {dist.world}: {err}") from err
-
-
-def _stale(cfg: Config, sampler: Sampler) -> Sampler:
-    """`sampler` as rollout.staleness asks (moe_rl/trainer/stale.py): itself at 0."""
-    ro = cfg.rollout
-    if ro.overlap:
-        return OverlapSampler(sampler, ro.staleness, cfg.trainer.steps, thread_split(cfg.trainer.threads, ro.sampler_threads)[1])
-    return StaleSampler(sampler, ro.staleness) if ro.staleness else sampler
 
 
 def _first_of(events: list[CollapseEvent], step: int, kinds: set[str]) -> dict | None:

@@ -103,10 +103,8 @@ class StepContext:
     def __post_init__(self) -> None:
         if self.train_model is None:
             self.train_model = self.model
-        if self.objective is None:
-            cfg = self.cfg  # the sampler's log-probs differ from the old policy's: its precision, engine or age
-            self.objective = ObjectiveSettings.of(cfg, mismatch=cfg.trainer.sampler_dtype is not None
-                                                  or cfg.sampler.engine == "vllm" or cfg.rollout.staleness > 0)
+        if self.objective is None:  # an inexact sampler's log-probs differ from the old policy's (samplers.py)
+            self.objective = ObjectiveSettings.of(self.cfg, mismatch=not self.sampler.exact)
 
     @property
     def shard(self) -> Shard:
