@@ -1,6 +1,15 @@
 """The RL loop: one step (`step.py`), a whole run (`run.py`), collapse events, logging, checkpoints and
 the policy's export in Hugging Face format (`export.py`).
 
+The house: `run.py` (`train`: the run loop, short, each concern an object with a verb) builds a
+`StepContext` (`step.py`) from the initial policy (`policy.py`) and the sampler (`sampling.py`:
+`build_sampler`, over the samplers of `samplers.py` and the staleness wrappers of `stale.py`), and steps
+it with `rl_step` (`step.py`: batch.py, plan.py, reduce.py, step_metrics.py). Around the steps:
+`checkpointer.py` (the resume decision, `Checkpointer.load`/`save`; the files: checkpoint.py; the
+export: export.py), `evaluate.py` (`Evaluator.due`/`run`), `logging.py` (the `MetricSink`: metrics.jsonl,
+events.jsonl, summary.json, W&B and alerts; `NullSink`), `collapse.py` (the detector and the
+`collapse/*` counts), `folder.py` (the run folder's lock and id), `distributed.py` (the ranks).
+
 Metrics logged every step (to metrics.jsonl and W&B). Under data parallelism (torchrun, W ranks) every
 metric is first reduced over ranks, so one process and W processes log the same quantity:
 - the objective's `clip/*`, `ratio/*`, `policy/*`, `rollout_is/*` and `train/*` keys come as
