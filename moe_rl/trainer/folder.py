@@ -29,6 +29,7 @@ import socket
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path, PurePath
 
@@ -37,6 +38,7 @@ from hydra.experimental.callback import Callback
 
 from moe_rl.errors import RunError
 from moe_rl.trainer.checkpoint import CHECKPOINT, CORRUPT, PREVIOUS, TMP
+from moe_rl.trainer.distributed import Dist
 
 LOCK = ".moe-rl.lock"
 OWNER = ".moe-rl.owner"
@@ -145,6 +147,29 @@ def check_fresh_start(run_dir: Path, *, resume: bool, overwrite: bool) -> Path |
             "to move its files aside and start again, or give this run a folder of its own (hydra.run.dir=...)"
         )
     return move_aside(run_dir)
+
+
+@contextlib.contextmanager
+def claim(run_dir: Path, dist: Dist, *, resume: bool, overwrite: bool) -> Iterator[None]:
+    """Rank 0 holds the folder's lock for the body, after refusing a fresh run over an old one (or moving
+    it aside under overwrite=true: `check_fresh_start`); every rank raises rank 0's refusal, so none waits
+    on a collective."""
+    with contextlib.ExitStack() as held:
+        refusal, aside = None, None
+        if dist.main:
+            try:
+                held.enter_context(folder_lock(run_dir))
+                aside = check_fresh_start(run_dir, resume=resume, overwrite=overwrite)
+            except RunError as err:
+                refusal = err
+        message = dist.broadcast(str(refusal) if refusal else None)
+        if refusal is not None:
+            raise refusal
+        if message is not None:
+            raise RunError(message)
+        if aside is not None:
+            warnings.warn(f"overwrite=true: the earlier run's files are now in {aside}", RuntimeWarning, stacklevel=3)
+        yield
 
 
 def record_run_id(run_dir: Path, run_id: str | None) -> str:

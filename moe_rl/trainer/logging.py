@@ -1,5 +1,9 @@
 """Metric sinks: a local JSONL file always, W&B when enabled. A W&B failure never stops training.
 
+One `MetricSink` per run on rank 0 (`metric_sink`) holds the local log, W&B and the collapse alerts:
+`log(step, metrics)`, `event(event)`, `finish(summary)`. Ranks other than 0 hold a `NullSink`, which also
+stands in for W&B when it is off or cannot start.
+
 NaN/inf convention, the same in metrics.jsonl, events.jsonl and summary.json: a non-finite float is
 written as the string "nan", "inf" or "-inf" (`to_json`), so every file is strict JSON (jq, Node's
 JSON.parse); `float(value)` reads such a string back (`from_json_number`).
@@ -16,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from moe_rl.config import LoggerConfig
 from moe_rl.errors import RunError
 from moe_rl.json_numbers import from_json_number, jsonable, to_json  # noqa: F401 - the logs' convention, re-exported
 
@@ -79,10 +84,17 @@ class LocalLog:
         with self.events_path.open("a") as f:
             f.write(to_json(event) + "\n")
 
+    def summary(self, summary: dict) -> None:
+        """Write `summary.json` (next to the logs, swapped in whole)."""
+        tmp = self.metrics_path.with_name(".summary.json.tmp")
+        tmp.write_text(to_json(summary, indent=2))
+        tmp.replace(self.metrics_path.with_name("summary.json"))
+
 
 class NullSink:
-    """Stands in for a sink that writes nothing: W&B when it is off or cannot start, and the local log on
-    ranks other than 0. Every call does nothing; `log` takes either sink's arguments."""
+    """Stands in for a sink that writes nothing: W&B when it is off or cannot start, and the run's
+    `MetricSink` on ranks other than 0. Every call does nothing; `log` and `finish` take either sink's
+    arguments."""
 
     def log(self, *args: object, **kwargs: object) -> None:
         pass
@@ -99,7 +111,7 @@ class NullSink:
     def add_tag(self, tag: str) -> None:
         pass
 
-    def finish(self) -> None:
+    def finish(self, *args: object) -> None:
         pass
 
 
@@ -225,3 +237,43 @@ class CollapseAlerts:
         text = f"step {event['step']}: value {event['value']:.6g} crossed threshold {event['threshold']:.6g}"
         self.wb.alert(kind, text, self.interval_s)
         return True
+
+
+class MetricSink:
+    """Rank 0's records of a run: metrics.jsonl, events.jsonl and summary.json (`LocalLog`), W&B (a
+    `NullSink` when off or when it cannot start) and the W&B alerts and tags of collapse events."""
+
+    def __init__(self, local: LocalLog, wb: Wandb | NullSink, alerts: CollapseAlerts) -> None:
+        self.local, self.wb, self.alerts = local, wb, alerts
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One step's metrics, to the local log and W&B."""
+        self.local.log(step, metrics)
+        self.wb.log(metrics, step=step)
+
+    def event(self, event: dict) -> None:
+        """One collapse event {step, kind, value, threshold, ...}: to events.jsonl, then alerted."""
+        self.local.event(event)
+        self.alerts(event)
+
+    def finish(self, summary: dict) -> None:
+        """Write summary.json and W&B's run summary, then close W&B."""
+        self.local.summary(summary)
+        self.wb.summary({"stopped_on_collapse": bool(summary["stopped_on_collapse"]),
+                         "collapse/total": len(summary["collapse_events"])})
+        self.wb.finish()
+
+
+def metric_sink(run_dir: Path, lg: LoggerConfig, resume_step: int | None, config: dict, *, group: str, name: str,
+                tags: list[str], past_events: list[dict]) -> MetricSink:
+    """Rank 0's sink: the local log (cut back to `resume_step` on resume, else started afresh); W&B with
+    `config` as its run config, when `logger.wandb` and its mode is not disabled; alerts as
+    `logger.alerts` asks, the kinds of `past_events` (before the checkpoint) tagged again."""
+    local = LocalLog(run_dir, resume_step)
+    wb: Wandb | NullSink = NullSink()
+    if lg.wandb and lg.mode != "disabled":
+        wb = open_wandb(run_dir, config, mode=lg.mode, project=lg.project, entity=lg.entity, group=group, name=name,
+                        tags=[*tags, *lg.tags], init_timeout_s=lg.init_timeout_s)
+    alerts = CollapseAlerts(wb if lg.alerts else NullSink(), lg.alert_interval_s, lg.alert_kinds)
+    alerts.tag_past(past_events)
+    return MetricSink(local, wb, alerts)

@@ -1,5 +1,17 @@
 """A whole run: build (or warm-start) the policy, loop over RL steps, log, checkpoint, resume.
 
+    train            check the config and the machine, start the ranks, claim the folder (folder.claim)
+      _train         plan_resume -> record_start -> build_context -> Checkpointer.load -> the MetricSink
+        _steps       each step: rl_step -> Evaluator.due/run -> collapse_metrics -> sink.log/event
+                     -> Checkpointer.save(step, last)
+        _summary     -> sink.finish: summary.json and W&B's run summary
+
+Each concern of the loop is one object with a verb, as in torchtitan's train.py: the `Checkpointer`
+(checkpointer.py: the resume decision, checkpoints and the policy's export), the `Evaluator`
+(evaluate.py), the `MetricSink` (logging.py: metrics.jsonl, events.jsonl, summary.json, W&B and its
+alerts; a `NullSink` on ranks other than 0). `build_context` assembles what a step needs: the initial
+policy (policy.py), its sampler (sampling.py: `build_sampler`) and optimiser.
+
 The policy is also written in Hugging Face format to `policy/` at the end of the run (and at every
 checkpoint with `trainer.export_hf=true`; moe_rl/trainer/export.py).
 
@@ -18,22 +30,14 @@ import functools
 import gc
 import math
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moe_rl.config import Config
-from moe_rl.errors import RunError
-from moe_rl.models import build_model
-from moe_rl.models.build import unloadable
-from moe_rl.models.tokenizer import policy_tokenizer
 from moe_rl.objectives import OBJECTIVES
 from moe_rl.provenance import provenance
-from moe_rl.rollout.vllm_engine import VllmEngine, write_checkpoint
 from moe_rl.routing import RoutingController, float32_routers
 from moe_rl.startup import (
     check_chat_template,
@@ -43,97 +47,24 @@ from moe_rl.startup import (
     check_world,
     load_task,
 )
-from moe_rl.tasks import DatasetTask, Task
-from moe_rl.trainer.checkpoint import (
-    CHECKPOINT,
-    finished_summary,
-    finished_without_checkpoint,
-    hydra_files,
-    restore_hydra_files,
-    resume_state,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from moe_rl.trainer.collapse import CollapseDetector, CollapseEvent, blowup_counts, counts_by_kind
-from moe_rl.trainer.distributed import (
-    Dist,
-    init_distributed,
-    load_state_dicts,
-    param_checksum,
-    shard,
-    state_dicts,
-    wrap,
-)
-from moe_rl.trainer.evaluate import evaluate, initial_metrics
-from moe_rl.trainer.export import export_policy
-from moe_rl.trainer.folder import (
-    RUN_ID,
-    check_fresh_start,
-    folder_lock,
-    folder_run_id,
-    move_aside,
-    record_run_id,
-    run_files,
-)
-from moe_rl.trainer.logging import (
-    CollapseAlerts,
-    LocalLog,
-    NullSink,
-    from_json_number,
-    open_wandb,
-    read_jsonl,
-    to_json,
-)
+from moe_rl.tasks import Task
+from moe_rl.trainer.checkpointer import Checkpointer, plan_resume, record_start
+from moe_rl.trainer.collapse import CollapseDetector, CollapseEvent, collapse_metrics, stop_event
+from moe_rl.trainer.distributed import Dist, init_distributed, param_checksum, shard, wrap
+from moe_rl.trainer.evaluate import Evaluator
+from moe_rl.trainer.folder import claim
+from moe_rl.trainer.logging import MetricSink, NullSink, from_json_number, metric_sink, read_jsonl
+from moe_rl.trainer.policy import initial_policy
 from moe_rl.trainer.precision import make_optimizer, router_param_groups
-from moe_rl.trainer.samplers import CopySampler, Draws, PolicySampler, Sampler, VllmSampler, chat_prompt
-from moe_rl.trainer.stale import OverlapSampler, StaleSampler, thread_split
+from moe_rl.trainer.samplers import Draws, chat_prompt
+from moe_rl.trainer.sampling import build_sampler
+from moe_rl.trainer.stale import thread_split
 from moe_rl.trainer.step import StepContext, rl_step
-from moe_rl.warmstart import warm_start
 
 
 def run_label(cfg: Config) -> str:
     """How a run is named in tables and W&B: objective preset and replay source, from the config."""
     return f"{cfg.objective.preset} (replay={cfg.routing.replay})"
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """A saved tokenizer, set up for batched sampling: left padding, and EOS as the pad token when it has
-    none (Mixtral's): the sampler masks everything after a response's first EOS."""
-    with unloadable(path, "tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def initial_policy(cfg: Config, progress: bool, task: Task | None = None):
-    """The initial policy for `task` (default `moe_rl.startup.load_task(cfg)`): warm-started (cached) when
-    enabled, else freshly built or loaded."""
-    task = task if task is not None else load_task(cfg)
-    if not cfg.warmstart.enabled:
-        tokenizer = load_tokenizer(cfg.model.pretrained) if cfg.model.pretrained else policy_tokenizer(cfg.model, task)
-        return build_model(cfg.model, tokenizer), tokenizer, None
-    ws = warm_start(
-        cfg.model,
-        cfg.task.name,
-        cfg.task.difficulty,
-        cfg.warmstart,
-        cfg.seed if cfg.warmstart.build_seed is None else cfg.warmstart.build_seed,
-        mix=cfg.task.mix,
-        max_new_tokens=cfg.sampler.max_new_tokens,
-        progress=progress,
-        device=cfg.trainer.device,
-        task=task,
-    )
-    # A cache entry that verifies but does not load (a planted file with matching checksums) is named as
-    # the cache entry, not as model.pretrained, which the user never set.
-    where = f"the warm-start cache entry {ws.path} (delete it to rebuild it)"
-    model = build_model(dataclasses.replace(cfg.model, pretrained=str(ws.path)), where=where)
-    with unloadable(str(ws.path), "tokenizer", where):
-        tokenizer = AutoTokenizer.from_pretrained(ws.path)
-    return model, tokenizer, ws
 
 
 def build_context(cfg: Config, dist: Dist | None = None, task: Task | None = None) -> tuple[StepContext, dict]:
@@ -160,7 +91,7 @@ def build_context(cfg: Config, dist: Dist | None = None, task: Task | None = Non
     sample_gen = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)
     prompt = functools.partial(chat_prompt, tokenizer) if cfg.task.chat_template else (lambda text: text)
     draws = Draws(cfg.seed, t.prompts_per_step, t.group_size, prompt)
-    sampler = _sampler(cfg, model, tokenizer, controller, draws, sample_gen, dist, sharded)
+    sampler = build_sampler(cfg, model, tokenizer, controller, draws, sample_gen, dist, sharded)
     train_model = wrap(model, t.parallel, dist, t.device)
     if sharded and ref is not None:
         shard(ref)
@@ -207,107 +138,6 @@ def build_context(cfg: Config, dist: Dist | None = None, task: Task | None = Non
     return ctx, info
 
 
-def _sampler(cfg: Config, model, tokenizer, controller: RoutingController, draws: Draws,
-             sample_gen: torch.Generator, dist: Dist, sharded: bool) -> Sampler:
-    """The run's sampler (moe_rl.trainer.samplers): vLLM, a copy at trainer.sampler_dtype, or the policy."""
-    t = cfg.trainer
-    topk = cfg.objective.topk if OBJECTIVES[cfg.objective.name].needs_topk else 0  # the DPPO top-k divergences
-    if cfg.sampler.engine == "vllm":
-        return _stale(cfg, VllmSampler(draws, _vllm_engine(cfg, model, tokenizer, controller, dist, topk)))
-    ro = cfg.rollout
-    # A stale sampler records its router logits: the margin prediction of its change (routing/margin/*).
-    hf = dict(config=cfg.sampler, generator=sample_gen, record_logits=t.reuse_sampler_logp or ro.staleness > 0,
-              record_gates=cfg.routing.replay_gates,
-              all_done=dist.all_done if sharded else None, topk=topk)
-    if ro.overlap:  # the background thread samples with a copy of its own, at the sampler's dtype
-        hf["generator"] = torch.Generator(torch.device(t.device)).manual_seed(cfg.seed)
-    if ro.overlap or (t.sampler_dtype is not None and t.sampler_dtype != cfg.model.dtype):
-        copy_ = controller.detached_copy(model).to(getattr(torch, t.sampler_dtype or cfg.model.dtype)).eval().requires_grad_(False)
-        if cfg.model.router_dtype == "float32":
-            float32_routers(copy_)
-        return _stale(cfg, CopySampler(draws, copy_, RoutingController(copy_), tokenizer, **hf))
-    return _stale(cfg, PolicySampler(draws, model, controller, tokenizer, **hf))
-
-
-def _vllm_engine(cfg: Config, model, tokenizer, controller: RoutingController, dist: Dist, topk: int = 0) -> VllmEngine:
-    """This rank's vLLM engine. Under torchrun rank 0 writes the checkpoint every engine starts from (the
-    others wait for its path). A rank whose engine cannot start exits at once with its error, naming the rank,
-    and torchrun then stops the others (they may be waiting inside vLLM's start-up for it)."""
-    t = cfg.trainer
-    checkpoint = dist.broadcast(write_checkpoint(model, tokenizer) if dist.main else None) if dist.world > 1 else None
-    try:
-        return VllmEngine(model, tokenizer, cfg.sampler, dtype=t.sampler_dtype or cfg.model.dtype, seed=cfg.seed,
-                          max_rows=t.prompts_per_step * t.group_size,
-                          routers=(controller.num_layers, controller.num_experts), checkpoint=checkpoint, topk=topk)
-    except RunError as err:
-        if dist.world == 1:
-            raise
-        raise RunError(f"rank {dist.rank} of {dist.world}: {err}") from err
-
-
-def _stale(cfg: Config, sampler: Sampler) -> Sampler:
-    """`sampler` as rollout.staleness asks (moe_rl/trainer/stale.py): itself at 0."""
-    ro = cfg.rollout
-    if ro.overlap:
-        return OverlapSampler(sampler, ro.staleness, cfg.trainer.steps, thread_split(cfg.trainer.threads, ro.sampler_threads)[1])
-    return StaleSampler(sampler, ro.staleness) if ro.staleness else sampler
-
-
-def _first_of(events: list[CollapseEvent], step: int, kinds: set[str]) -> dict | None:
-    """The first of `step`'s events whose kind is in `kinds` (the ones the run stops on), as a dict."""
-    return next((dataclasses.asdict(e) for e in events if e.step == step and e.kind in kinds), None)
-
-
-def _state(ctx: StepContext, next_step: int, hydra: dict[str, str], run_id: str) -> dict:
-    """Everything to resume from; under FSDP a collective (the full state dicts are gathered to rank 0)."""
-    model_sd, optimizer_sd = state_dicts(ctx.model, ctx.optimizer, ctx.sharded)
-    return {
-        "step": next_step,
-        "run_id": run_id,  # a resume loads only its own run's checkpoints (moe_rl.trainer.folder)
-        "config": dataclasses.asdict(ctx.cfg),  # resume refuses a different config (checkpoint.py)
-        "hydra": hydra,
-        "model": model_sd,
-        "optimizer": optimizer_sd,
-        "scheduler": ctx.scheduler.state_dict(),
-        "detector": ctx.detector.state_dict(),
-        "rng": rng_state({"sample": ctx.sample_gen, "shuffle": ctx.shuffle_gen}),
-        "sampler": ctx.sampler.state_dict(),  # rollouts sampled ahead (rollout.staleness)
-    }
-
-
-def _restore(ctx: StepContext, state: dict) -> int:
-    cfg = ctx.cfg
-    load_state_dicts(ctx.model, ctx.optimizer, state["model"], state["optimizer"], ctx.sharded)
-    ctx.scheduler.load_state_dict(state["scheduler"])
-    ctx.detector.load_state_dict(state["detector"])
-    set_rng_state(state["rng"], {"sample": ctx.sample_gen, "shuffle": ctx.shuffle_gen})
-    ctx.sampler.sync(ctx.model)
-    ctx.sampler.load_state_dict(state.get("sampler", {}))
-    if cfg.rollout.overlap:
-        k = cfg.rollout.staleness
-        warnings.warn(
-            f"rollout.overlap=true: the rollouts in flight when the run stopped were lost with it; steps "
-            f"{state['step']}-{state['step'] + k} are sampled again with the restored policy (version {state['step']})",
-            RuntimeWarning, stacklevel=3,
-        )
-    return state["step"]
-
-
-def _save(run_dir: Path, state: dict) -> None:
-    """save_checkpoint, with a full or unwritable disk reported in one line (saying whether an earlier
-    checkpoint is there to resume from)."""
-    had_one = (run_dir / CHECKPOINT).exists()
-    try:
-        save_checkpoint(run_dir, state)
-    except OSError as err:
-        then = (
-            "the previous checkpoint is intact: free space and resume with resume=true"
-            if had_one
-            else "it was the run's first, so there is none to resume from: free space and run again with overwrite=true"
-        )
-        raise RunError(f"could not write a checkpoint to {run_dir} ({err.strerror or err}); {then}") from err
-
-
 def train(
     cfg: Config,
     run_dir: Path,
@@ -330,201 +160,111 @@ def train(
     check_world(cfg.trainer, dist.world)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
     run_dir = Path(dist.broadcast(str(run_dir)))  # Hydra's timestamped folder may differ by a second
-    with _claim(run_dir, cfg, dist):
+    with claim(run_dir, dist, resume=cfg.resume, overwrite=cfg.overwrite):
         return _train(cfg, run_dir, dist, wandb_group, hydra_record or {}, task)
-
-
-@contextlib.contextmanager
-def _claim(run_dir: Path, cfg: Config, dist: Dist) -> Iterator[None]:
-    """Rank 0 holds the folder's lock for the body, after refusing a fresh run over an old one (or moving
-    it aside under overwrite=true); every rank raises rank 0's refusal, so none waits on a collective."""
-    with contextlib.ExitStack() as held:
-        refusal, aside = None, None
-        if dist.main:
-            try:
-                held.enter_context(folder_lock(run_dir))
-                aside = check_fresh_start(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
-            except RunError as err:
-                refusal = err
-        message = dist.broadcast(str(refusal) if refusal else None)
-        if refusal is not None:
-            raise refusal
-        if message is not None:
-            raise RunError(message)
-        if aside is not None:
-            warnings.warn(f"overwrite=true: the earlier run's files are now in {aside}", RuntimeWarning, stacklevel=3)
-        yield
 
 
 def _train(cfg: Config, run_dir: Path, dist: Dist, wandb_group: str | None, hydra_record: dict[str, str],
            task: Task | None = None) -> dict:
-    """`train` in a claimed folder."""
-    # Before any compute or write: a refused resume or an unusable checkpoint stops here in one line.
-    known_id = folder_run_id(run_dir)
-    state = (
-        resume_state(
-            run_dir,
-            dataclasses.asdict(cfg),
-            force=cfg.resume_force,
-            defaults=dataclasses.asdict(Config()),
-            run_id=known_id,
-        )
-        if cfg.resume
-        else None
-    )
-    done = finished_summary(run_dir, state, cfg.trainer.steps) if state else None
-    if done is not None:
-        restore_hydra_files(run_dir, state.get("hydra", {}))
-        warnings.warn(f"{run_dir} already finished at step {state['step']}: nothing to resume", RuntimeWarning, stacklevel=3)
+    """`train` in a claimed folder: resume or start, the steps (`_steps`), the summary."""
+    resume = plan_resume(cfg, run_dir, dist)  # before any compute or write: a refused resume stops here
+    if resume.finished is not None:
         dist.close()
-        return done
-    if cfg.resume and state is None:
-        done = finished_without_checkpoint(run_dir, dataclasses.asdict(cfg), cfg.trainer.steps,
-                                           force=cfg.resume_force, defaults=dataclasses.asdict(Config()), run_id=known_id)
-        if done is not None:
-            warnings.warn(f"{run_dir} already finished at step {done['steps_done']} (its checkpoints are gone): "
-                          "nothing to resume", RuntimeWarning, stacklevel=3)
-            dist.close()
-            return done
-        aside = move_aside(run_dir) if dist.main and set(run_files(run_dir)) - {RUN_ID} else None  # unfinished
-        moved = f": its earlier files are now in {aside}" if aside else ""
-        warnings.warn(f"resume=true, but {run_dir} has no checkpoint{moved}; starting fresh", RuntimeWarning, stacklevel=3)
-        known_id = dist.broadcast(folder_run_id(run_dir) if dist.main else None)
-    rid = None
-    if dist.main:
-        (run_dir / "failed.json").unlink(missing_ok=True)  # from an earlier attempt at this job
-        rid = record_run_id(run_dir, known_id or (state or {}).get("run_id"))
-        restore_hydra_files(run_dir, hydra_record)
-    rid = dist.broadcast(rid)
-    hydra = state.get("hydra", {}) if state else hydra_files(run_dir)
+        return resume.finished
+    rid = record_start(run_dir, dist, resume, hydra_record)
     threads = thread_split(cfg.trainer.threads, cfg.rollout.sampler_threads)[0] if cfg.rollout.overlap else cfg.trainer.threads
     if threads:
         torch.set_num_threads(threads)
     origin = provenance(cfg.trainer.device)  # after the thread count is set: it is part of the record
     ctx, info = build_context(cfg, dist, task)
-    start = _restore(ctx, state) if state else 0
-    local = LocalLog(run_dir, resume_step=start if state else None) if dist.main else NullSink()
-    config_dict = dataclasses.asdict(cfg)
-    lg = cfg.logger
-    wb = NullSink()
-    if dist.main and lg.wandb and lg.mode != "disabled":
-        tags = [cfg.objective.preset, f"replay={cfg.routing.replay}", cfg.experiment, *lg.tags]
-        wb = open_wandb(
-            run_dir,
-            {**config_dict, "provenance": origin},
-            mode=lg.mode,
-            project=lg.project,
-            entity=lg.entity,
-            group=lg.group or wandb_group or cfg.experiment,
-            name=f"{run_label(cfg)} seed={cfg.seed}",
-            tags=tags,
-            init_timeout_s=lg.init_timeout_s,
-        )
-    alerts = CollapseAlerts(wb if lg.alerts else NullSink(), lg.alert_interval_s, lg.alert_kinds)
-    alerts.tag_past([dataclasses.asdict(e) for e in ctx.detector.events])
-    stopped_on = None
+    checkpointer = Checkpointer(run_dir, ctx, resume, rid)
+    start = checkpointer.load()
+    sink = NullSink() if not dist.main else metric_sink(
+        run_dir, cfg.logger, start if resume.state else None, {**dataclasses.asdict(cfg), "provenance": origin},
+        group=cfg.logger.group or wandb_group or cfg.experiment, name=f"{run_label(cfg)} seed={cfg.seed}",
+        tags=[cfg.objective.preset, f"replay={cfg.routing.replay}", cfg.experiment],
+        past_events=[dataclasses.asdict(e) for e in ctx.detector.events])
     t0 = time.perf_counter()
-    bar = tqdm(
-        range(start, cfg.trainer.steps),
-        initial=start,
-        total=cfg.trainer.steps,
-        desc=run_label(cfg),
-        disable=not (lg.progress and dist.main),
-        dynamic_ncols=True,
-    )
-    metrics: dict[str, float] = {}
-    steps_done = start
-    # A dataset with fewer held-out rows than eval asks for is evaluated on all of them (eval.fit_heldout).
-    eval_cfg = cfg.eval.fitted(len(ctx.task.heldout_rows)) if isinstance(ctx.task, DatasetTask) else cfg.eval
-    eval_examples = ctx.task.examples("eval", eval_cfg.prompts_needed, eval_cfg.seed)
-    eval_prompts = [ctx.prompt(ex.prompt) for ex in eval_examples]
-    evaluation = functools.partial(
-        evaluate, ctx.model, ctx.tokenizer, ctx.task, eval_prompts, eval_examples, cfg.sampler, eval_cfg
-    )
-    # Before the first update, in step 0's row. A resumed run (start > 0) kept that row: not repeated.
-    initial = initial_metrics(evaluation()) if start == 0 and cfg.eval.enabled and cfg.eval.at_start else {}
-    stops = set(cfg.collapse.stop_kinds) if cfg.collapse.stop_on_collapse else set()
+    evaluator = Evaluator(ctx.model, ctx.tokenizer, ctx.task, ctx.prompt, cfg.sampler, cfg.eval)
     with contextlib.closing(ctx.sampler):  # stops a background sampler (rollout.overlap) however the loop ends
-        for step in bar:
-            metrics = rl_step(ctx, step)
-            if step == start and initial:
-                metrics.update(initial)
-                ctx.detector.observe_eval(step, initial, prefix="eval/initial/")  # the reference's first point
-            steps_done = step + 1
-            last = step + 1 == cfg.trainer.steps
-            stopped_on = _first_of(ctx.detector.events, step, stops)
-            if cfg.eval.due(step, last or bool(stopped_on)):
-                after = evaluation()
-                after["time/eval_s"] += metrics.get("time/eval_s", 0.0)  # the initial eval's, in step 0's row
-                metrics.update(after)
-                ctx.detector.observe_eval(step, after)
-                stopped_on = stopped_on or _first_of(ctx.detector.events, step, stops)
-            new = [e for e in ctx.detector.events if e.step == step]
-            metrics["collapse/events"] = float(len(ctx.detector.events))
-            metrics["collapse/new_events"] = float(len(new))
-            metrics.update(counts_by_kind(ctx.detector.events))
-            metrics.update(blowup_counts(ctx.detector.events))
-            local.log(step, metrics)
-            wb.log(metrics, step=step)
-            for event in new:
-                local.event(dataclasses.asdict(event))
-                alerts(dataclasses.asdict(event))
-            bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", events=len(ctx.detector.events))
-            if (
-                last
-                or stopped_on
-                or (cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0)
-            ):
-                state = _state(ctx, step + 1, hydra, rid)
-                if dist.main:
-                    _save(run_dir, state)
-                if dist.main and (last or stopped_on or cfg.trainer.export_hf):
-                    export_policy(
-                        run_dir,
-                        ctx.model,
-                        ctx.tokenizer,
-                        config=config_dict,
-                        step=step + 1,
-                        metrics=metrics,
-                        state_dict=state["model"] if ctx.sharded else None,
-                    )
-            if stopped_on:
-                break
+        done = _steps(ctx, start, evaluator, checkpointer, sink)
         # The last collective, before the sampler closes: a vLLM engine leaves the process group as it shuts down.
         checksums = dist.gather(param_checksum(ctx.model))
-    bar.close()
-    if not metrics and dist.main and start > 0:  # nothing left to run: the summary reports the last step
-        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-        metrics = {k: from_json_number(v) for k, v in rows[-1].items() if k != "step"} if rows else {}
-    summary = {
-        "label": run_label(cfg),
-        "run_id": rid,
-        "objective": cfg.objective.preset,
-        "replay": cfg.routing.replay,
-        "seed": cfg.seed,
-        "experiment": cfg.experiment,
-        "steps_done": steps_done,
-        "stopped_on_collapse": stopped_on,
-        "collapse_events": [dataclasses.asdict(e) for e in ctx.detector.events],
-        "final": {k: v for k, v in metrics.items() if isinstance(v, float) and math.isfinite(v)},
-        "seconds_this_session": time.perf_counter() - t0,
-        "world_size": dist.world,
-        "provenance": origin,
+    summary = _summary(cfg, run_dir, dist, start, done, ctx.detector.events, rid, {
+        "seconds_this_session": time.perf_counter() - t0, "world_size": dist.world, "provenance": origin,
         # Equal on every rank under DDP (each rank's own shards under FSDP): a check that ranks agree.
-        "param_checksum_by_rank": checksums,
-        **info,
-        # What a resume of this finished run checks when its checkpoints are gone (finished_without_checkpoint).
-        "config": config_dict,
-    }
-    if dist.main:
-        tmp = run_dir / ".summary.json.tmp"
-        tmp.write_text(to_json(summary, indent=2))
-        tmp.replace(run_dir / "summary.json")
-    wb.summary({"stopped_on_collapse": bool(stopped_on), "collapse/total": len(ctx.detector.events)})
-    wb.finish()
+        "param_checksum_by_rank": checksums, **info})
+    sink.finish(summary)
     # DDP's reducer holds the process group: free it first, or the group could go with the reducer, whose
     # destructor joins gloo's threads while holding the GIL they need (torch issue #56297: a deadlock).
     ctx.train_model = None
     gc.collect()
     dist.close()
     return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class _Done:
+    """Where the steps ended: how many are done, the last step's metrics and the event it stopped on."""
+
+    steps_done: int
+    metrics: dict[str, float]
+    stopped_on: dict | None
+
+
+def _steps(ctx: StepContext, start: int, evaluator: Evaluator, checkpointer: Checkpointer,
+           sink: MetricSink | NullSink) -> _Done:
+    """RL steps `start`.. until trainer.steps or a stop on collapse (`collapse.stop_kinds`), each: the step,
+    its evaluation when due, its metrics and new events to the sink, a checkpoint when due."""
+    cfg = ctx.cfg
+    # Before the first update, in step 0's row. A resumed run (start > 0) kept that row: not repeated.
+    initial = evaluator.initial() if start == 0 else {}
+    stops = set(cfg.collapse.stop_kinds) if cfg.collapse.stop_on_collapse else set()
+    bar = tqdm(range(start, cfg.trainer.steps), initial=start, total=cfg.trainer.steps, desc=run_label(cfg),
+               disable=not (cfg.logger.progress and ctx.dist.main), dynamic_ncols=True)
+    done = _Done(start, {}, None)
+    for step in bar:
+        metrics = rl_step(ctx, step)
+        if step == start and initial:
+            metrics.update(initial)
+            ctx.detector.observe_eval(step, initial, prefix="eval/initial/")  # the reference's first point
+        last = step + 1 == cfg.trainer.steps
+        stopped_on = stop_event(ctx.detector.events, step, stops)
+        if evaluator.due(step, last or bool(stopped_on)):
+            after = evaluator.run()
+            after["time/eval_s"] += metrics.get("time/eval_s", 0.0)  # the initial eval's, in step 0's row
+            metrics.update(after)
+            ctx.detector.observe_eval(step, after)
+            stopped_on = stopped_on or stop_event(ctx.detector.events, step, stops)
+        metrics.update(collapse_metrics(ctx.detector.events, step))
+        sink.log(step, metrics)
+        for event in ctx.detector.events:
+            if event.step == step:
+                sink.event(dataclasses.asdict(event))
+        bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", events=len(ctx.detector.events))
+        checkpointer.save(step, last or bool(stopped_on), metrics)
+        done = _Done(step + 1, metrics, stopped_on)
+        if stopped_on:
+            break
+    bar.close()
+    return done
+
+
+def _summary(cfg: Config, run_dir: Path, dist: Dist, start: int, done: _Done, events: list[CollapseEvent],
+             run_id: str, session: dict) -> dict:
+    """summary.json: the run's labels, how it ended, the last step's finite metrics (a resumed run with no
+    step left reads them from metrics.jsonl), this session's record, and the config (what a resume of the
+    finished run checks when its checkpoints are gone: finished_without_checkpoint)."""
+    metrics = done.metrics
+    if not metrics and dist.main and start > 0:  # nothing left to run: the summary reports the last step
+        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        metrics = {k: from_json_number(v) for k, v in rows[-1].items() if k != "step"} if rows else {}
+    return {
+        "label": run_label(cfg), "run_id": run_id, "objective": cfg.objective.preset, "replay": cfg.routing.replay,
+        "seed": cfg.seed, "experiment": cfg.experiment, "steps_done": done.steps_done,
+        "stopped_on_collapse": done.stopped_on,
+        "collapse_events": [dataclasses.asdict(e) for e in events],
+        "final": {k: v for k, v in metrics.items() if isinstance(v, float) and math.isfinite(v)},
+        **session,
+        "config": dataclasses.asdict(cfg),
+    }

@@ -83,6 +83,10 @@ def score(task: Task, examples_B: list[Example], roll: Rollout) -> Scores:
 class Sampler(Protocol):
     """Draws and scores a step's rollouts (`rollout`), and takes the trained weights after it (`sync`)."""
 
+    exact: bool
+    """Its log-probs are the trained model's own (the policy itself, current weights): no sampler mismatch
+    is possible, so the step logs no mismatch diagnostics (`rollout_is/ess`, `rollout_is/chi2`)."""
+
     def rollout(self, task: Task, step: int, shard: Shard) -> tuple[Rollout, Scores]:
         """This rank's rows of step `step`'s P x G completions, and their scores."""
         ...
@@ -140,6 +144,8 @@ class PolicySampler(Stateless):
     """Under FSDP every forward is a collective: ranks stop decoding together (Dist.all_done)."""
     topk: int = 0
     """Record each position's top-k tokens and log-probs (the DPPO top-k divergences); 0 = none."""
+    exact: bool = True
+    """It samples with the trained model itself (`Sampler.exact`)."""
 
     def rollout(self, task: Task, step: int, shard: Shard) -> tuple[Rollout, Scores]:
         examples_B, grouped, rows = self.draws.prompts(task, step, shard)
@@ -172,6 +178,8 @@ class CopySampler(PolicySampler):
     """Samples with a copy of the policy at another precision (trainer.sampler_dtype), with its own
     routing controller; `sync` loads the trained weights, cast to its dtype."""
 
+    exact: bool = False
+
     def sync(self, model: PreTrainedModel) -> float:
         started = time.perf_counter()
         self.model.load_state_dict(model.state_dict())
@@ -187,6 +195,7 @@ class VllmSampler(Stateless):
 
     draws: Draws
     engine: VllmEngine
+    exact = False  # another engine's kernels: its log-probs differ from the trained model's
 
     def rollout(self, task: Task, step: int, shard: Shard) -> tuple[Rollout, Scores]:
         examples_B, grouped, rows = self.draws.prompts(task, step, shard)

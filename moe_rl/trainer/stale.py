@@ -71,6 +71,7 @@ class StaleSampler:
     inner: Sampler
     staleness: int
     pending: dict[int, tuple[Rollout, Scores]] = dataclasses.field(default_factory=dict)
+    exact = False  # the weights that sampled a rollout are k steps older than those that train on it
 
     def rollout(self, task: Task, step: int, shard: Shard) -> tuple[Rollout, Scores]:
         # Always k ahead, even past trainer.steps (k rollouts no step trains on, at the end): a run resumed
@@ -104,6 +105,8 @@ class OverlapSampler:
     """Overlapped staleness: a background thread samples with its own copy of the policy (`inner`, a
     `CopySampler`), up to k steps ahead of the trainer, loading the trainer's newest weights before each
     rollout. `sync` pushes a snapshot of the trainer's weights (a version) and returns the seconds it took."""
+
+    exact = False  # a rollout's weights are up to k steps older than those that train on it
 
     def __init__(self, inner: PolicySampler, staleness: int, steps: int, threads: int) -> None:
         self.inner, self.staleness, self.steps, self.threads = inner, staleness, steps, threads

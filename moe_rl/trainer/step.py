@@ -103,10 +103,8 @@ class StepContext:
     def __post_init__(self) -> None:
         if self.train_model is None:
             self.train_model = self.model
-        if self.objective is None:
-            cfg = self.cfg  # the sampler's log-probs differ from the old policy's: its precision, engine or age
-            self.objective = ObjectiveSettings.of(cfg, mismatch=cfg.trainer.sampler_dtype is not None
-                                                  or cfg.sampler.engine == "vllm" or cfg.rollout.staleness > 0)
+        if self.objective is None:  # an inexact sampler's log-probs differ from the old policy's (samplers.py)
+            self.objective = ObjectiveSettings.of(self.cfg, mismatch=not self.sampler.exact)
 
     @property
     def shard(self) -> Shard:
@@ -310,7 +308,9 @@ def grad_metrics(grad_norm: float, clip: float | None) -> S.Stats:
 
 
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
-    """Run one RL step and return its metrics (see the metric table in moe_rl/trainer/__init__.py).
+    """Run one RL step and return its metrics (see the metric table in moe_rl/trainer/__init__.py); the
+    run adds the evaluation's and the `collapse/*` counts (moe_rl/trainer/run.py), once the step's events
+    are all known.
 
     Under data parallelism every rank returns the same metrics, reduced over ranks.
     """
@@ -331,8 +331,6 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     record = step_record(ctx, roll, batch, old, plan, (t0, t1, t2, t3), sync_s)
     metrics, extremes = reduce_step(ctx.dist, roll, scores, results, record)
     ctx.detector.observe(step, {**metrics, **extremes})
-    metrics["collapse/events"] = float(len(ctx.detector.events))
-    metrics["collapse/new_events"] = float(sum(1 for e in ctx.detector.events if e.step == step))
     return metrics
 
 

@@ -54,8 +54,8 @@ FORKSERVER = r"""
 import hashlib, io, json, os, signal, sys, traceback
 import torch
 import moe_rl.trainer.checkpoint as ck
+import moe_rl.trainer.checkpointer as cp
 import moe_rl.trainer.logging as lg
-import moe_rl.trainer.run as run
 from moe_rl.train import main
 
 def die():
@@ -77,7 +77,7 @@ def plant(point):
                 die()
         lg.LocalLog.log = patched
     elif kind == "ckpt":  # inside the write of the checkpoint after step k: a partial temp file, or between renames
-        save, frac = run.save_checkpoint, float(arg.split(",")[2]) if arg.count(",") == 2 else 0.5
+        save, frac = cp.save_checkpoint, float(arg.split(",")[2]) if arg.count(",") == 2 else 0.5
         def patched(run_dir, state):
             if state["step"] != at + 1:
                 return save(run_dir, state)
@@ -86,7 +86,7 @@ def plant(point):
             if arg.split(",")[1] == "tmp":
                 (run_dir / ck.TMP).write_bytes(data[: int(len(data) * frac)]); die()
             (run_dir / ck.TMP).write_bytes(data); os.replace(run_dir / ck.CHECKPOINT, run_dir / ck.PREVIOUS); die()
-        run.save_checkpoint = patched
+        cp.save_checkpoint = patched
     elif kind == "wandb":  # inside W&B's log of step k (its offline writer flushing)
         log = lg.Wandb.log
         def patched(self, metrics, step):
@@ -95,7 +95,7 @@ def plant(point):
                 die()
         lg.Wandb.log = patched
     elif kind == "summary":  # after summary.json is written
-        run.NullSink.summary = lambda self, values: die()
+        lg.NullSink.summary = lambda self, values: die()
 
 for line in sys.stdin:
     point, log_path, argv = json.loads(line)
@@ -517,20 +517,20 @@ def test_full_disk_fails_in_one_line_and_keeps_previous_checkpoint(tmp_path, fin
 
     # load_checkpoint removes a stale temp file on resume; put the full-disk link back after it did.
     cfg = replace(finished[1], resume=True, trainer=replace(finished[1].trainer, steps=4))
-    import moe_rl.trainer.run as run_mod
+    import moe_rl.trainer.logging as lg
 
-    restore = run_mod.LocalLog.__init__
+    restore = lg.LocalLog.__init__
 
     def relink(self, run_dir_, resume_step):
         restore(self, run_dir_, resume_step)
         if not orig.is_symlink():
             orig.symlink_to("/dev/full")
 
-    run_mod.LocalLog.__init__ = relink
+    lg.LocalLog.__init__ = relink
     try:
         _, error, _ = _train_catching(cfg, run_dir)
     finally:
-        run_mod.LocalLog.__init__ = restore
+        lg.LocalLog.__init__ = restore
     assert error and "No space left on device" in error and "previous checkpoint is intact" in error
     assert (run_dir / CHECKPOINT).read_bytes() == before and not orig.exists()
     fault_report("disk full during a checkpoint write (`/dev/full`)", error.replace(str(tmp_path), "RUN"),
@@ -541,16 +541,16 @@ def test_full_disk_at_the_first_checkpoint_says_there_is_none_to_resume(tmp_path
     """A full disk at a fresh run's first checkpoint stops in one line that says there is no checkpoint to resume from (not that "the previous checkpoint is intact"), leaving no checkpoint or temporary file."""
     if not Path("/dev/full").exists():
         pytest.skip("needs /dev/full")
-    import moe_rl.trainer.run as run_mod
+    import moe_rl.trainer.logging as lg
 
     run_dir = tmp_path / "run"
-    restore = run_mod.LocalLog.__init__
+    restore = lg.LocalLog.__init__
 
     def full_disk(self, run_dir_, resume_step):  # once the run has started: the checkpoint's temp file is /dev/full
         restore(self, run_dir_, resume_step)
         (run_dir_ / TMP).symlink_to("/dev/full")
 
-    monkeypatch.setattr(run_mod.LocalLog, "__init__", full_disk)
+    monkeypatch.setattr(lg.LocalLog, "__init__", full_disk)
     cfg = compose_config(["objective=grpo", *TINY, "warmstart.enabled=false", "trainer.steps=1", "logger.wandb=false"])
     _, error, _ = _train_catching(cfg, run_dir)
     assert error and "No space left on device" in error and "it was the run's first" in error

@@ -467,7 +467,7 @@ def test_heldout_eval_is_logged_and_never_changes_training(tmp_path, warm_overri
 
 def test_build_seed_shares_one_warm_start_across_run_seeds(warm_overrides):
     """With warmstart.build_seed=0 a run of seed 1 starts from the cached seed-0 warm start, not its own."""
-    from moe_rl.trainer.run import initial_policy
+    from moe_rl.trainer.policy import initial_policy
 
     own = compose_config([*TINY, *warm_overrides])
     shared = compose_config([*TINY, *warm_overrides, "seed=1", "warmstart.build_seed=0"])

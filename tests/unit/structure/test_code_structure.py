@@ -1,7 +1,7 @@
 """The code's shape, checked over the source with `ast`: no private name is imported across modules, the
-library (moe_rl/) never imports the analysis (analysis/), and one module alone decides which routing a
+library (moe_rl/) never imports the analysis (analysis/), one module alone decides which routing a
 forward uses (moe_rl/trainer/plan.py), reading the replay source's row of `moe_rl.routing.config.REPLAY`
-rather than comparing routing.replay with a name."""
+rather than comparing routing.replay with a name, and only the rollout package compares `sampler.engine`."""
 
 from __future__ import annotations
 
@@ -173,3 +173,45 @@ def test_the_scan_finds_a_branch_on_the_replay_source(tmp_path):
         "    assert self.replay in ('off', 'old')\n"
     )
     assert routing_branches([src], tmp_path) == {"m.py": [3, 5]}
+
+
+def comparisons(sources: list[Path], attr: str, root: Path = ROOT) -> list[str]:
+    """`file:line` for every comparison (`==`, `!=`, `in`, ...) of an attribute named `attr`, outside the
+    config schema's `validate` methods (which refuse bad combinations and decide nothing). A lookup in a
+    table (`ENGINES[cfg.engine]`) is not a comparison: a missing row fails loudly."""
+    found = []
+    for p in sources:
+        tree = ast.parse(p.read_text(), str(p))
+        skip: set[int] = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and "validate" in fn.name:
+                skip.update(id(n) for n in ast.walk(fn))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and id(node) not in skip and any(
+                isinstance(part, ast.Attribute) and part.attr == attr for part in [node.left, *node.comparators]
+            ):
+                found.append(f"{p.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_only_the_rollout_package_compares_the_sampler_engine():
+    """Outside moe_rl/rollout/ (and the schema's validate methods) nothing compares `sampler.engine`: the
+    trainer builds an engine's sampler from its row (moe_rl.trainer.sampling.ENGINES) and asks the sampler
+    (`Sampler.exact`), start-up asks moe_rl.rollout.engines."""
+    outside = [p for p in _sources("moe_rl") if "rollout" not in p.relative_to(ROOT).parts]
+    assert comparisons(outside, "engine") == []
+
+
+def test_the_scan_finds_a_comparison_of_the_engine(tmp_path):
+    """`cfg.engine == 'vllm'` and `'hf' != s.engine` are comparisons; a table lookup and a check inside a
+    `validate` method are not."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "def f(cfg, s, table):\n"
+        "    if cfg.engine == 'vllm':\n"
+        "        pass\n"
+        "    return 'hf' != s.engine, table[cfg.engine]\n"
+        "def _validate_x(self):\n"
+        "    assert self.engine != 'vllm'\n"
+    )
+    assert comparisons([src], "engine", tmp_path) == ["m.py:2", "m.py:4"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import moe_rl.trainer.run as run_module
+import moe_rl.trainer.checkpointer as checkpointer_module
 from moe_rl.trainer.checkpoint import read_checkpoint
 from moe_rl.trainer.export import export_policy
 from moe_rl.trainer.run import build_context, train
@@ -44,7 +44,7 @@ def _spy_exports(monkeypatch) -> list[int]:
         steps.append(kwargs["step"])
         return export_policy(*args, **kwargs)
 
-    monkeypatch.setattr(run_module, "export_policy", spy)
+    monkeypatch.setattr(checkpointer_module, "export_policy", spy)
     return steps
 
 

@@ -41,3 +41,17 @@ def test_a_run_folder_that_is_a_file_stops_in_one_line(tmp_path):
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
         f"moe-rl-train: invalid config: hydra.run.dir={afile}: {afile} is a file, not a folder; give the run a "
         "folder (hydra.run.dir=...)"]
+
+
+def test_a_vllm_engine_split_the_processes_cannot_hold_stops_in_one_line(monkeypatch):
+    """sampler.engine=vllm with tensor_parallel_size 2 under 3 processes raises LaunchError naming the field
+    (vLLM's presence stubbed); 4 processes pass, and the hf engine asks nothing of the launch."""
+    import moe_rl.rollout.engines as engines
+    from moe_rl.rollout.sampler import SamplerConfig
+
+    monkeypatch.setattr(engines, "require_vllm", lambda: None)
+    vllm = SamplerConfig(engine="vllm", tensor_parallel_size=2)
+    with pytest.raises(LaunchError, match=r"sampler\.tensor_parallel_size=2 does not divide the 3 process"):
+        engines.check_engine_launch(vllm, 3)
+    engines.check_engine_launch(vllm, 4)
+    engines.check_engine_launch(SamplerConfig(), 3)

@@ -1,10 +1,10 @@
-"""Local logs and the guarded W&B sink."""
+"""Local logs, the guarded W&B sink, and the run's MetricSink over both (a NullSink on other ranks)."""
 
 import json
 import math
 import warnings
 
-from moe_rl.trainer.logging import LocalLog, Wandb, open_wandb
+from moe_rl.trainer.logging import CollapseAlerts, LocalLog, MetricSink, NullSink, Wandb, open_wandb
 
 
 def test_wandb_failure_never_raises(tmp_path):
@@ -39,3 +39,32 @@ def test_local_log_truncates_on_resume_and_keeps_nan(tmp_path):
     LocalLog(tmp_path, resume_step=2)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and rows[0]["b"] == "nan"
+
+
+class _Recorder:
+    """A W&B stand-in that records its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+
+def test_metric_sink_writes_the_local_files_and_forwards_to_wandb_in_order(tmp_path):
+    """log: a metrics.jsonl row and the same metrics to W&B; event: an events.jsonl line, then a tag and an
+    alert; finish: summary.json, then W&B's summary, then W&B closed. A NullSink takes every call."""
+    wb = _Recorder()
+    sink = MetricSink(LocalLog(tmp_path, resume_step=None), wb, CollapseAlerts(wb, 0.0, ["nonfinite"]))
+    event = {"step": 0, "kind": "nonfinite", "value": math.nan, "threshold": 0.0}
+    summary = {"steps_done": 1, "stopped_on_collapse": event, "collapse_events": [event]}
+    for target in (sink, NullSink()):
+        target.log(0, {"a": 1.0})
+        target.event(event)
+        target.finish(summary)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 0, "a": 1.0}
+    assert json.loads((tmp_path / "events.jsonl").read_text())["kind"] == "nonfinite"
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_done"] == 1
+    assert [c[0] for c in wb.calls] == ["log", "add_tag", "alert", "summary", "finish"]
+    assert wb.calls[0] == ("log", ({"a": 1.0},), {"step": 0})
+    assert wb.calls[3][1] == ({"stopped_on_collapse": True, "collapse/total": 1},)
