@@ -30,6 +30,7 @@ from moe_rl.models.config import ModelConfig
 from moe_rl.objectives.capabilities import CAPABILITIES
 from moe_rl.objectives.config import ObjectiveConfig, validate_config
 from moe_rl.rollout.config import RolloutConfig, SamplerConfig
+from moe_rl.rollout.engines import ENGINES
 from moe_rl.routing.config import NOISE_GROWTH, NOISE_SCOPES, REPLAY, REPLAY_SOURCES, SAMPLER, RoutingConfig
 from moe_rl.tasks.config import DATASET, TaskConfig
 from moe_rl.trainer.config import (
@@ -171,15 +172,16 @@ class Config:
                 "(the first mini-batch's ratio would not be 1); set sampler.logprobs=raw, or "
                 "sampler.keep_sampling_mask=true (the trainer's forwards then renormalise over the same nucleus)"
             )
-        if sp.engine == "vllm" and self.routing.replay_gates and REPLAY[self.routing.replay].recorded == SAMPLER:
+        engine = ENGINES[sp.engine]
+        if not engine.gates and self.routing.replay_gates and REPLAY[self.routing.replay].recorded == SAMPLER:
             raise ValueError(
                 "routing.replay_gates=true under routing.replay=rollout needs the sampler's gates, and "
-                "sampler.engine=vllm records expert ids only: set routing.replay_gates=false or sampler.engine=hf"
+                f"sampler.engine={sp.engine} records expert ids only: set routing.replay_gates=false or sampler.engine=hf"
             )
-        if sp.engine == "vllm" and t.reuse_sampler_logp:
+        if not engine.trained_model and t.reuse_sampler_logp:
             raise ValueError(
                 "trainer.reuse_sampler_logp=true takes the sampler's log-probs and routes as the old policy's, "
-                "which holds only for the trained model itself, not for sampler.engine=vllm: set "
+                f"which holds only for the trained model itself, not for sampler.engine={sp.engine}: set "
                 "trainer.reuse_sampler_logp=false"
             )
 
@@ -195,9 +197,9 @@ class Config:
                     f"and trainer.sampler_dtype={t.sampler_dtype} hold no model below float32; set "
                     "model.router_dtype=null, or model.dtype / trainer.sampler_dtype to bfloat16"
                 )
-            if sp.engine == "vllm":
+            if not ENGINES[sp.engine].router_dtype:
                 raise ValueError(
-                    "model.router_dtype with sampler.engine=vllm: the engine sets its own router dtype; set "
+                    f"model.router_dtype with sampler.engine={sp.engine}: the engine sets its own router dtype; set "
                     "model.router_dtype=null or sampler.engine=hf"
                 )
             if t.parallel == "fsdp" and self.model.dtype in ("bfloat16", "float16"):
@@ -222,9 +224,9 @@ class Config:
                 "log-probs are not the proximal policy's (this step's old-policy forward); set "
                 "trainer.reuse_sampler_logp=false"
             )
-        if ro.overlap and self.sampler.engine == "vllm":
+        if ro.overlap and not ENGINES[self.sampler.engine].overlap:
             raise ValueError(
-                "rollout.overlap=true is not available with sampler.engine=vllm (its in-process engine cannot "
+                f"rollout.overlap=true is not available with sampler.engine={self.sampler.engine} (its in-process engine cannot "
                 "sample on a thread beside the trainer): set rollout.overlap=false (deterministic staleness)"
             )
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_rl.rollout.engines import ENGINES
+
 LOGPROBS = ("raw", "processed")
-ENGINES = ("hf", "vllm")
 
 
 @dataclass
@@ -55,23 +56,24 @@ class SamplerConfig:
         if self.logprobs not in LOGPROBS:
             raise ValueError(f"sampler.logprobs={self.logprobs!r}: expected one of {LOGPROBS}")
         if self.engine not in ENGINES:
-            raise ValueError(f"sampler.engine={self.engine!r}: expected one of {ENGINES}")
-        if self.engine == "vllm" and self.logprobs == "raw" and self.temperature not in (0, 1):
+            raise ValueError(f"sampler.engine={self.engine!r}: expected one of {tuple(ENGINES)}")
+        engine = ENGINES[self.engine]
+        if not engine.raw_any_temperature and self.logprobs == "raw" and self.temperature not in (0, 1):
             raise ValueError(
-                f"sampler.engine=vllm records raw log-probs only at temperature 1 (vLLM's raw_logprobs are "
+                f"sampler.engine={self.engine} records raw log-probs only at temperature 1 (vLLM's raw_logprobs are "
                 f"of the untempered logits), not sampler.temperature={self.temperature}: set "
                 "sampler.logprobs=processed or sampler.temperature=1"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"sampler.tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
-        if self.tensor_parallel_size > 1 and self.engine != "vllm":
+        if self.tensor_parallel_size > 1 and not engine.tensor_parallel:
             raise ValueError(
                 f"sampler.tensor_parallel_size={self.tensor_parallel_size} splits a vLLM engine over ranks: set "
                 "sampler.engine=vllm, or sampler.tensor_parallel_size=1"
             )
-        if self.engine == "vllm" and self.keep_sampling_mask:
+        if self.keep_sampling_mask and not engine.support:
             raise ValueError(
-                "sampler.keep_sampling_mask=true needs each token's top-p support, which sampler.engine=vllm "
+                f"sampler.keep_sampling_mask=true needs each token's top-p support, which sampler.engine={self.engine} "
                 "does not return: set sampler.engine=hf"
             )
         if self.keep_sampling_mask and self.logprobs != "processed":

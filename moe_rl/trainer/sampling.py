@@ -1,6 +1,6 @@
 """The run's sampler, built once by `build_sampler` from the config (the samplers: moe_rl/trainer/samplers.py).
 
-    sampler.engine -> ENGINES row: vllm -> VllmSampler; hf -> PolicySampler (the policy itself) or
+    sampler.engine -> BUILDERS row: vllm -> VllmSampler; hf -> PolicySampler (the policy itself) or
     CopySampler (a copy at trainer.sampler_dtype, or rollout.overlap's own copy)
     then rollout.staleness wraps it (moe_rl/trainer/stale.py): StaleSampler, OverlapSampler, or itself at 0
 
@@ -30,7 +30,7 @@ def build_sampler(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedToke
                   sharded: bool) -> Sampler:
     """The run's sampler (module docstring): its engine's, wrapped as rollout.staleness asks."""
     topk = cfg.objective.topk if OBJECTIVES[cfg.objective.name].needs_topk else 0  # the DPPO top-k divergences
-    engine = ENGINES[cfg.sampler.engine](cfg, model, tokenizer, controller, draws, sample_gen, dist, sharded, topk)
+    engine = BUILDERS[cfg.sampler.engine](cfg, model, tokenizer, controller, draws, sample_gen, dist, sharded, topk)
     return stale(cfg, engine)
 
 
@@ -77,8 +77,8 @@ def vllm_sampler(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedToken
     return VllmSampler(draws, engine)
 
 
-ENGINES: dict[str, Callable[..., Sampler]] = {"hf": hf_sampler, "vllm": vllm_sampler}
-"""sampler.engine -> what builds its sampler (every value of moe_rl.rollout.sampler.ENGINES has a row)."""
+BUILDERS: dict[str, Callable[..., Sampler]] = {"hf": hf_sampler, "vllm": vllm_sampler}
+"""sampler.engine -> what builds its sampler (every row of moe_rl.rollout.engines.ENGINES has one)."""
 
 
 def stale(cfg: Config, sampler: Sampler) -> Sampler:

@@ -47,11 +47,8 @@ def test_a_vllm_engine_split_the_processes_cannot_hold_stops_in_one_line(monkeyp
     """sampler.engine=vllm with tensor_parallel_size 2 under 3 processes raises LaunchError naming the field
     (vLLM's presence stubbed); 4 processes pass, and the hf engine asks nothing of the launch."""
     import moe_rl.rollout.engines as engines
-    from moe_rl.rollout.sampler import SamplerConfig
-
-    monkeypatch.setattr(engines, "require_vllm", lambda: None)
-    vllm = SamplerConfig(engine="vllm", tensor_parallel_size=2)
+    monkeypatch.setattr(engines, "require", lambda engine: None)
     with pytest.raises(LaunchError, match=r"sampler\.tensor_parallel_size=2 does not divide the 3 process"):
-        engines.check_engine_launch(vllm, 3)
-    engines.check_engine_launch(vllm, 4)
-    engines.check_engine_launch(SamplerConfig(), 3)
+        engines.check_engine_launch("vllm", 2, 3)
+    engines.check_engine_launch("vllm", 2, 4)
+    engines.check_engine_launch("hf", 1, 3)

@@ -3,9 +3,9 @@ whether it is exact, which alone decides the step's mismatch diagnostics."""
 
 import pytest
 
-from moe_rl.rollout.sampler import ENGINES as ENGINE_NAMES
+from moe_rl.rollout.engines import ENGINES
 from moe_rl.trainer.run import build_context
-from moe_rl.trainer.sampling import ENGINES
+from moe_rl.trainer.sampling import BUILDERS
 from tests.integration.test_train_loop import TINY, compose_config
 
 BASE = [*TINY, "warmstart.enabled=false", "trainer.steps=4"]
@@ -36,4 +36,4 @@ def test_each_config_builds_its_sampler_and_only_the_policy_itself_is_exact(over
 def test_every_engine_has_a_sampler_row():
     """Every sampler.engine the schema accepts has a row in the factory's table (a missing one fails here,
     not as a KeyError at start-up)."""
-    assert set(ENGINES) == set(ENGINE_NAMES)
+    assert set(BUILDERS) == set(ENGINES)
