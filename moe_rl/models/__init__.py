@@ -6,9 +6,9 @@ seconds to import, and the schema (`moe_rl.models.config`, read by `moe_rl.confi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from moe_rl.lazy import lazy_attributes
 from moe_rl.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -19,10 +19,4 @@ _LAZY = {"build_model": "moe_rl.models.build", "build_tokenizer": "moe_rl.models
 
 __all__ = ["ModelConfig", "build_model", "build_tokenizer"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # once imported, a plain attribute
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

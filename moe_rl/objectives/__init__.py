@@ -107,9 +107,9 @@ and high_it = [Â_i > 0 ∧ d_it > clip_high]: the token's log-space clip is act
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from moe_rl.lazy import lazy_attributes
 from moe_rl.objectives.capabilities import CAPABILITIES, Capabilities
 from moe_rl.objectives.config import ObjectiveConfig, validate_config
 
@@ -136,10 +136,4 @@ _LAZY = {
 __all__ = ["CAPABILITIES", "OBJECTIVES", "Capabilities", "Objective", "ObjectiveConfig", "ObjectiveInputs", "TopK",
            "cispo", "gmpo", "group_advantages", "grpo", "gspo", "gspo_token", "validate_config"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # once imported, a plain attribute
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

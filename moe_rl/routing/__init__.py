@@ -6,9 +6,9 @@ read by `moe_rl.config`) needs none of it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from moe_rl.lazy import lazy_attributes
 from moe_rl.routing.config import RoutingConfig
 
 if TYPE_CHECKING:
@@ -94,10 +94,4 @@ __all__ = [
     "token_digest",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # once imported, a plain attribute
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

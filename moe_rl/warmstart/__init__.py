@@ -42,9 +42,9 @@ lock), `build` (`warm_start`: a verified entry, or a build under the lock).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from moe_rl.lazy import lazy_attributes
 from moe_rl.warmstart.config import BUILD_THREADS, FORMAT_VERSION, META_FILE, WarmStartConfig, WarmStartResult
 
 if TYPE_CHECKING:
@@ -84,10 +84,4 @@ __all__ = [
     "warm_start_dir",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # once imported, a plain attribute
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 LAYERS: list[tuple[str, ...]] = [
-    ("moe_rl.errors", "moe_rl.reduction", "moe_rl.json_numbers", "moe_rl.provenance"),
+    ("moe_rl.errors", "moe_rl.lazy", "moe_rl.reduction", "moe_rl.json_numbers", "moe_rl.provenance"),
     ("moe_rl.objectives", "moe_rl.routing", "moe_rl.tasks"),
     # the tokenizer knows a task's alphabet; the sampler records routing; the trainer's and the warm start's
     # sections of the schema sit beside their packages but below moe_rl.config, which composes them
