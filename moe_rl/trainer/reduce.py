@@ -31,8 +31,6 @@ from moe_rl.trainer.step_metrics import (
     change_metrics,
     finite_mean,
     margin_metrics,
-    over_minibatches,
-    ratio_extremes,
     rollout_metrics,
 )
 
@@ -116,7 +114,7 @@ def reduce_step(
     over all its mini-batches that the collapse detector reads beside them.
 
     Each mini-batch's objective stats are pooled over ranks exactly (moe_rl.reduction.combine: whatever the
-    key), then finished; the step's value is their mean over mini-batches (`*/sum`: their sum)."""
+    key), then over the step's mini-batches by their kind (moe_rl.reduction.over_updates and extremes)."""
     mask_BR = roll.response_mask_BR
     rows = [
         scores.rewards_B.double(),
@@ -128,8 +126,8 @@ def reduce_step(
     metrics = rollout_metrics([row for r in ranks for row in r["rows"]], record.group_size, record.reward_can_fail)
     M = len(results)
     per_rank = [r["results"] for r in ranks]
-    per_mb = [S.values(S.combine([res[j].stats for res in per_rank])) for j in range(M)]
-    metrics.update(over_minibatches(per_mb))
+    per_mb = [S.combine([res[j].stats for res in per_rank]) for j in range(M)]
+    metrics.update(S.values(S.over_updates(per_mb)))
     metrics["train/lr"] = record.lr
     # Each mini-batch's expert change over all ranks: per layer a mean over valid positions, over the
     # response a mean over response tokens.
@@ -158,7 +156,7 @@ def reduce_step(
         sampler_shift = [r["record"].sampler_shift for r in ranks if r["record"].sampler_shift is not None]
         metrics.update(margin_metrics(margins, shift, record.noise_sigma, record.top_k, sampler_shift))
     metrics.update(S.values(S.combine([r["record"].local for r in ranks])))
-    return metrics, ratio_extremes(per_mb)
+    return metrics, S.values(S.extremes(per_mb))
 
 
 def response_positions(batch: Batch, sl: slice) -> torch.Tensor:
