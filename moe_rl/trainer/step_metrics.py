@@ -202,7 +202,7 @@ def margin_metrics(
     """`routing/margin/*` over every rank's margins `[N][L]` (pooled, so the order statistics are exact),
     `routing/logit_shift/after_one_update` from each rank's [Σ centred shift², elements] on mini-batch 2,
     and the expert change those predict after one update with injected logit noise σ on top
-    (RoutingPlan.noise_sigma(1); metric table in __init__.py). With `sampler_shift` (each rank's [Σ centred
+    (plan.noise_sigma(routing, 1); metric table in __init__.py). With `sampler_shift` (each rank's [Σ centred
     shift², elements] from a stale sampler's logits to the proximal forward's), the change those margins
     predict at that shift: `routing/margin/predicted_change_vs_sampler`."""
     m_NL = torch.tensor(margins, dtype=torch.float64).reshape(-1, len(margins[0]) if margins else 1)
