@@ -13,6 +13,12 @@ moment it is returned, without being registered anywhere.
 | `var` | (n, mean, M2), M2 = Σ(x − mean)² | Chan et al.'s pairwise update | M2 / n, the population variance |
 | `ess` | (n, Σw, Σw²) | add | (Σw)² / (n Σw²), the normalised effective sample size |
 | `chi2` | (n, Σw²) | add | Σw² / n − 1 (the χ² divergence of weights whose mean is 1) |
+| `share` | (num, den) | add | num / den (NaN when den ≤ 0): a part of a non-negative total |
+
+Over a step's mini-batches (`over_updates`) the kind decides too: a `sum` or a `share` totals the step, so
+its parts add over the updates as over ranks; every other kind describes one update, and the step's value
+is the mean of the updates' finished values (NaN-skipping), with their extremes kept beside it
+(`extremes`).
 
 Every part is float64, so counts stay exact; one combine of two single-rank stats gives exactly (up to
 float64 rounding) the statistic of the pooled entries.
@@ -26,7 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-KINDS = ("mean", "sum", "max", "min", "var", "ess", "chi2")
+KINDS = ("mean", "sum", "max", "min", "var", "ess", "chi2", "share")
+STEP_TOTALS = ("sum", "share")
+"""The kinds whose parts add over a step's mini-batches (`over_updates`)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,13 @@ def chi2(w_N: Tensor) -> Stat:
     return Stat("chi2", (w_N.new_tensor(float(w_N.numel())), w_N.square().sum()))
 
 
+@torch.no_grad()
+def share(part: Tensor, whole: Tensor) -> Stat:
+    """Σ part / Σ whole of a non-negative total (its share in `part`), pooled over ranks and a step's
+    mini-batches alike; NaN when nothing is left of the total."""
+    return Stat("share", (part.double().sum(), whole.double().sum()))
+
+
 def to_floats(stats: Stats) -> Stats:
     """The same stats with Python-float parts, with one device sync (picklable, for a gather)."""
     flat = [p for s in stats.values() for p in s.parts]
@@ -156,9 +171,33 @@ def value(s: Stat) -> float:
         return p[1] ** 2 / (p[0] * p[2]) if p[0] and p[2] else math.nan
     if s.kind == "chi2":
         return p[1] / p[0] - 1.0 if p[0] else math.nan
+    if s.kind == "share":
+        return p[0] / p[1] if p[1] > 0 else math.nan
     raise ValueError(f"unknown stat kind {s.kind!r}; expected one of {KINDS}")
 
 
 def values(stats: Stats) -> dict[str, float]:
     """Every stat finished to a float (one device sync for the lot)."""
     return {key: value(s) for key, s in to_floats(stats).items()}
+
+
+def _zero(s: Stat) -> Stat:
+    """The stat of no entries: adding it changes nothing (not even a −0.0, as Python's `sum` starts at 0)."""
+    return Stat(s.kind, (0.0,) * len(s.parts))
+
+
+def over_updates(per_update: list[Stats]) -> Stats:
+    """A step's stats from its mini-batches' (each already combined over ranks, float parts): a `sum` or
+    a `share` adds its parts over them; any other kind becomes the `mean` of the updates' finished
+    values, an update whose value is NaN (no entries) counting for nothing."""
+    lifted = [
+        {key: s if s.kind in STEP_TOTALS else weighted(value(s), 1.0) for key, s in stats.items()}
+        for stats in per_update
+    ]
+    return combine([{key: _zero(s) for key, s in lifted[0].items()}, *lifted])
+
+
+def extremes(per_update: list[Stats]) -> Stats:
+    """The `max` and `min` stats over all of a step's mini-batches (each combined over ranks): the
+    extreme of any update, not their mean (what the collapse detector reads)."""
+    return combine([{key: s for key, s in stats.items() if s.kind in ("max", "min")} for stats in per_update])

@@ -73,7 +73,8 @@ token, no sequence with two tokens) is NaN, never a placeholder 0.
 | `ratio/token/pos_adv/max`, `ratio/token/pos_adv/min`, `ratio/token/neg_adv/max`, `ratio/token/neg_adv/min` | max and min of r_it over valid tokens with Â_it > 0 (`pos_adv`) or Â_it < 0 (`neg_adv`); Â = 0 counts in neither; NaN when there is no such token. They say which side of a blow-up can carry gradient (moe_rl.trainer.collapse) |
 | `ratio/seq/pos_adv/max`, ..., `ratio/seq/neg_adv/min` | the same for s_i, over the tokens of each sign (s_i at each of its sequence's tokens) |
 | `policy/grad_weight/sum` | Σ_k g_k \|Â_k\| over gradient-carrying entries k (defined below): the total weight on the ∇logp terms before aggregation; a sum, so mini-batches and ranks add it |
-| `policy/extreme_grad_weight/sum` | the same sum over the entries whose ratio ρ_k is extreme: ρ_k < lo or ρ_k > hi, (lo, hi) = extreme_weight_band, default (0.1, 10). The trainer logs their quotient as `policy/extreme_weight_share` (`common.extreme_weight_share`) |
+| `policy/extreme_grad_weight/sum` | the same sum over the entries whose ratio ρ_k is extreme: ρ_k < lo or ρ_k > hi, (lo, hi) = extreme_weight_band, default (0.1, 10). |
+| `policy/extreme_weight_share` | `policy/extreme_grad_weight/sum` / `policy/grad_weight/sum`, a `share` stat (moe_rl.reduction), so the step's value is the quotient of the step's sums over every rank and mini-batch; NaN when no gradient-carrying weight is left |
 | `policy/approx_kl` | 1/N Σ exp(d_it) − d_it − 1 = (r − 1) − log r, r = π_θ/π_old: the unbiased k3 estimate of KL(π_old ‖ π_θ) on samples from π_old (cleanrl, TRL); d clamped to ±20 |
 | `policy/logp_diff/abs_mean` | 1/N Σ abs(d_it) (not clamped) |
 | `policy/ref_kl` | beta > 0 only: agg(kl_it) with the chosen `kl_estimator` (default k3 = exp(δ_it) − δ_it − 1), δ = ref_logp − logp; the penalty before beta |

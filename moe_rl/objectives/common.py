@@ -269,14 +269,6 @@ def rollout_is_weight(
     }
 
 
-def extreme_weight_share(metrics: dict[str, float]) -> dict[str, float]:
-    """`policy/extreme_weight_share` from the `weight_sums` in `metrics` (one call's, or summed over
-    mini-batches and ranks): extreme / total, NaN when no gradient-carrying weight is left (total 0)."""
-    total = metrics["policy/grad_weight/sum"]
-    share = metrics["policy/extreme_grad_weight/sum"] / total if total > 0 else math.nan
-    return {"policy/extreme_weight_share": share}
-
-
 LENGTH_SUMS = ("seqs", "tokens", "r1", "r1_sq", "within", "seqs_2plus", "s1", "s1_sq")
 """Columns of `length_sums`, per bin: sequences, tokens, Σ (r_it − 1), Σ (r_it − 1)², Σ within-sequence
 variance over sequences of n_i ≥ 2 tokens, their count, Σ (s_i − 1), Σ (s_i − 1)². Shifting by 1 (near

@@ -75,19 +75,22 @@ def seq_kept_adv(adv_BT: Tensor, keep_BT: Tensor, mask_BT: Tensor) -> Tensor:
 def weight_stats(
     ratio: Tensor, weight: Tensor, abs_adv: Tensor, keep: Tensor, band: tuple[float, float]
 ) -> S.Stats:
-    """The two sums whose quotient is `policy/extreme_weight_share` (common.extreme_weight_share):
+    """The gradient weight, the part of it extreme ratios carry, and its share (a `share` stat, so it is
+    the quotient over all the step's entries, on every rank and mini-batch, not a mean of quotients):
 
         policy/grad_weight/sum          = Σ_k keep_k · weight_k · |Â_k|
         policy/extreme_grad_weight/sum  = Σ_k keep_k · weight_k · |Â_k| · [ratio_k < lo ∨ ratio_k > hi]
+        policy/extreme_weight_share     = policy/extreme_grad_weight/sum / policy/grad_weight/sum (NaN at 0)
 
     k runs over tokens ([B, T], token-ratio objectives) or sequences ([B], sequence-ratio objectives);
     weight is what multiplies Â ∇logp in the objective's gradient, ratio what is judged extreme, keep the
     entries whose gradient is not zeroed."""
     mag = torch.where(keep, weight.double() * abs_adv.double(), 0.0)
-    extreme = (ratio < band[0]) | (ratio > band[1])
+    extreme_mag = torch.where((ratio < band[0]) | (ratio > band[1]), mag, 0.0)
     return {
         "policy/grad_weight/sum": S.total(mag),
-        "policy/extreme_grad_weight/sum": S.total(torch.where(extreme, mag, 0.0)),
+        "policy/extreme_grad_weight/sum": S.total(extreme_mag),
+        "policy/extreme_weight_share": S.share(extreme_mag, mag),
     }
 
 

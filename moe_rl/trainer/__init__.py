@@ -15,8 +15,10 @@ metric is first reduced over ranks, so one process and W processes log the same 
 - the objective's `clip/*`, `ratio/*`, `policy/*`, `rollout_is/*` and `train/*` keys come as
   `moe_rl.reduction.Stats` (sums and counts, extremes, or mergeable variances, the reduction carried by each
   value, not by its name): each mini-batch's are pooled over ranks exactly, as if one process had held all
-  its rows (variances included), then finished; the step logs their mean over mini-batches (`*/sum`: the
-  sum, so a quotient of two of them is exact over all ranks and mini-batches);
+  its rows (variances included), then over the step's mini-batches by its kind
+  (`moe_rl.reduction.over_updates`): a `sum` or a `share` adds its parts, so `policy/*/sum` and the
+  quotient `policy/extreme_weight_share` are exact over all ranks and mini-batches; every other kind logs
+  the mean of the mini-batches' values (the collapse detector reads the max and min over them);
 - rollout statistics are computed from all ranks' rows;
 - the step's own scalars carry their reduction too (moe_rl/trainer/reduce.py): `time/*`, the maximum
   over ranks; `throughput/*` and `routing/replay_cache_bytes`, the sum; the means (load CV, router entropy,
@@ -40,7 +42,7 @@ finite metrics of the last step.
 | `rollout/reward_errors` | task=dataset only: completions whose reward failed (`task.reward_fn` or the verifier raised, or returned a non-finite or non-numeric value) and so scored 0, each with a warning naming its dataset row; summed over ranks (moe_rl.tasks.dataset). Synthetic verifiers cannot fail and log no such key |
 | `rollout/response_len/mean` | response tokens (EOS included) |
 | `rollout/entropy/mean` | mean entropy (nats) of the sampler's token distributions softmax(logits / T) |
-| `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches (`*/sum` summed); `clip/dual_frac` only with `objective.clip_ratio_c` |
+| `clip/*`, `ratio/*`, `policy/*` | the objective's diagnostics (moe_rl.objectives), averaged over mini-batches (a `sum` or `share` stat pooled); `clip/dual_frac` only with `objective.clip_ratio_c` |
 | `policy/grad_weight/sum`, `policy/extreme_grad_weight/sum` | Σ g·\\|Â\\| over the entries whose gradient no clip zeroes (tokens for grpo and cispo, sequences for gspo, gspo_token and gmpo; g the objective's weight on Â ∇logp), and the same over entries whose ratio lies outside `objective.extreme_weight_band` (default [0.1, 10]); summed over ranks and mini-batches. Definitions per objective in moe_rl.objectives |
 | `policy/extreme_weight_share` | `policy/extreme_grad_weight/sum` / `policy/grad_weight/sum` of the whole step: the share of the gradient weight Σ\\|w_it·Â_i\\| (grpo; Σ\\|s_i·Â_i\\| over unclipped sequences for gspo, gspo_token, gmpo) that extreme ratios carry; cispo drops no token's gradient, so its share is over every token, weighted by its truncated weight. NaN when no gradient-carrying weight is left. Not scaled by the rollout IS weight or the aggregation's 1/\\|y_i\\| |
 | `ratio/token/{pos,neg}_adv/{max,min}`, `ratio/seq/{pos,neg}_adv/{max,min}` | max and min of r_it (s_i) over valid tokens with Â > 0 (`pos_adv`) or Â < 0 (`neg_adv`), mean over mini-batches; NaN when a step has no token of that sign. The collapse detector reads them over all mini-batches to say which side of a `ratio_blowup` carries gradient |

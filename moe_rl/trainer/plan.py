@@ -51,6 +51,20 @@ def perturbs(r: RoutingConfig) -> bool:
     return bool(r.drift or r.logit_noise or r.weight_noise or REPLAY[r.replay].replays)
 
 
+def noise_sigma(routing: RoutingConfig, j: int) -> float:
+    """The logit-noise scale that re-routes update forward j beyond the old forward: σ_j under scope
+    update with replay off, else 0 (scope trainer gives both forwards one ε; replay is immune). A setting
+    of the run: it reads the config alone."""
+    noisy = routing.noise_scope == "update" and not REPLAY[routing.replay].immune("update_noise")
+    return noise_scale(routing.logit_noise, routing.noise_growth, j) if noisy else 0.0
+
+
+def drift_minibatches(routing: RoutingConfig, M: int) -> range | None:
+    """The mini-batches over which `routing/drift/applied_frac` is pooled, or None when drift is off (it is
+    measured where drift is configured, even where replay wins)."""
+    return range(routing.drift_from_minibatch - 1, M) if routing.drift > 0 else None
+
+
 @dataclass
 class RoutingPlan:
     """The routing of one RL step's forwards over `batch` (module docstring): `old(sl)` and `update(j, sl,
@@ -136,10 +150,6 @@ class RoutingPlan:
         """Whether the step logs `routing/drift/applied_frac` (drift configured, even where replay wins)."""
         return self.routing.drift > 0
 
-    def drift_minibatches(self, M: int) -> range:
-        """The mini-batches over which `routing/drift/applied_frac` is pooled."""
-        return range(self.routing.drift_from_minibatch - 1, M)
-
     def _noise_on(self, forward: str) -> bool:
         # Scope update: R2 and R3 replay clean routing. Scope trainer: the trainer's routing itself, both
         # forwards; only R3, which replays the sampler's, is immune.
@@ -155,10 +165,8 @@ class RoutingPlan:
         return self.controller.noise(step_noise(self.controller, self.seed, self.step, self.batch, sl, scale))
 
     def noise_sigma(self, j: int) -> float:
-        """The logit-noise scale that re-routes update forward j beyond the old forward: σ_j under scope
-        update with replay off, else 0 (scope trainer gives both forwards one ε; replay is immune)."""
-        noisy = self.routing.noise_scope == "update" and not self.source.immune("update_noise")
-        return noise_scale(self.routing.logit_noise, self.routing.noise_growth, j) if noisy else 0.0
+        """The logit-noise scale that re-routes update forward j beyond the old forward (`noise_sigma`)."""
+        return noise_sigma(self.routing, j)
 
     @torch.no_grad()
     def after_update(self, optimizer: torch.optim.Optimizer, j: int) -> None:

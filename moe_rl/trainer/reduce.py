@@ -31,8 +31,6 @@ from moe_rl.trainer.step_metrics import (
     change_metrics,
     finite_mean,
     margin_metrics,
-    over_minibatches,
-    ratio_extremes,
     rollout_metrics,
 )
 
@@ -85,22 +83,31 @@ class MinibatchResult:
 
 @dataclass
 class StepRecord:
-    """What the step knows beside its results, for `reduce_step`: its own scalars (`local`, with their
-    reductions), the old policy's router margins (a sample, or None), and the settings the metrics read."""
+    """What each rank knows beside its results, for `reduce_step` (gathered from every rank): its own
+    scalars (`local`, with their reductions), the old policy's router margins (a sample, or None), and a
+    stale rollout's logit shift."""
 
     local: S.Stats
     margins: list[list[float]] | None
-    group_size: int
-    reward_can_fail: bool
-    max_new_tokens: int
-    top_k: int
-    lr: float
-    noise_sigma: float
-    """The logit-noise scale that re-routes mini-batch 2 beyond the old forward (RoutingPlan.noise_sigma)."""
-    drift_minibatches: range | None = None
-    """The mini-batches `routing/drift/applied_frac` pools over, or None when drift is off."""
     sampler_shift: tuple[float, float] | None = None
     """A stale rollout's [Σ centred logit shift², elements] from the sampler to the proximal forward."""
+
+
+@dataclass(frozen=True)
+class MetricSettings:
+    """The run's settings that the step's metrics read: fixed for the run, built once (StepContext) and
+    passed to `reduce_step` as they are, never gathered."""
+
+    group_size: int
+    reward_can_fail: bool
+    """The task's reward can fail (`rollout/reward_errors`)."""
+    max_new_tokens: int
+    """sampler.max_new_tokens, which fixes the response-length bins."""
+    top_k: int
+    noise_sigma: float
+    """The logit-noise scale that re-routes mini-batch 2 beyond the old forward (plan.noise_sigma(routing, 1))."""
+    drift_minibatches: range | None
+    """The mini-batches `routing/drift/applied_frac` pools over, or None when drift is off."""
 
 
 def _pooled(values: list[list[float]], weights: list[float]) -> torch.Tensor:
@@ -110,13 +117,15 @@ def _pooled(values: list[list[float]], weights: list[float]) -> torch.Tensor:
 
 
 def reduce_step(
-    dist: Dist, roll: Rollout, scores: Scores, results: list[MinibatchResult], record: StepRecord
+    dist: Dist, roll: Rollout, scores: Scores, results: list[MinibatchResult], record: StepRecord,
+    settings: MetricSettings, lr: float,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The step's metrics over all ranks (one gather; identical on every rank), and the ratio extremes
-    over all its mini-batches that the collapse detector reads beside them.
+    over all its mini-batches that the collapse detector reads beside them. `lr` is the step's learning
+    rate, the same on every rank.
 
     Each mini-batch's objective stats are pooled over ranks exactly (moe_rl.reduction.combine: whatever the
-    key), then finished; the step's value is their mean over mini-batches (`*/sum`: their sum)."""
+    key), then over the step's mini-batches by their kind (moe_rl.reduction.over_updates and extremes)."""
     mask_BR = roll.response_mask_BR
     rows = [
         scores.rewards_B.double(),
@@ -125,12 +134,12 @@ def reduce_step(
         scores.failed_B,
     ]
     ranks = dist.gather({"rows": torch.stack(rows, 1).tolist(), "results": results, "record": record})
-    metrics = rollout_metrics([row for r in ranks for row in r["rows"]], record.group_size, record.reward_can_fail)
+    metrics = rollout_metrics([row for r in ranks for row in r["rows"]], settings.group_size, settings.reward_can_fail)
     M = len(results)
     per_rank = [r["results"] for r in ranks]
-    per_mb = [S.values(S.combine([res[j].stats for res in per_rank])) for j in range(M)]
-    metrics.update(over_minibatches(per_mb))
-    metrics["train/lr"] = record.lr
+    per_mb = [S.combine([res[j].stats for res in per_rank]) for j in range(M)]
+    metrics.update(S.values(S.over_updates(per_mb)))
+    metrics["train/lr"] = lr
     # Each mini-batch's expert change over all ranks: per layer a mean over valid positions, over the
     # response a mean over response tokens.
     changes = [[res[j].change for res in per_rank] for j in range(M)]
@@ -142,12 +151,12 @@ def reduce_step(
         metrics["routing/rollout_vs_current/frac"] = finite_mean(
             [float(_pooled([[c.rollout] for c in changes[j]], [n.positions for n in counts[j]])) for j in range(M)]
         )
-    if record.drift_minibatches is not None:  # over the mini-batches that drift (all ranks): swapped / valid slots
-        swapped_slots = [res[j].change.drift for res in per_rank for j in record.drift_minibatches]
+    if settings.drift_minibatches is not None:  # over the mini-batches that drift (all ranks): swapped / valid slots
+        swapped_slots = [res[j].change.drift for res in per_rank for j in settings.drift_minibatches]
         slots = sum(n for _, n in swapped_slots)
         metrics["routing/drift/applied_frac"] = sum(k for k, _ in swapped_slots) / slots if slots else 0.0
     # Ratio statistics by response length, pooled over mini-batches 2..M of all ranks: sums, so exact.
-    bins = length_bins(record.max_new_tokens)
+    bins = length_bins(settings.max_new_tokens)
     sums = torch.zeros(len(bins) * len(LENGTH_SUMS), dtype=torch.float64)
     for result in (x for res in per_rank for x in res[1:]):
         sums += torch.tensor(result.change.length, dtype=torch.float64)
@@ -156,9 +165,9 @@ def reduce_step(
         shift = [res[1].change.shift for res in per_rank] if M > 1 else []
         margins = [m for r in ranks for m in r["record"].margins]
         sampler_shift = [r["record"].sampler_shift for r in ranks if r["record"].sampler_shift is not None]
-        metrics.update(margin_metrics(margins, shift, record.noise_sigma, record.top_k, sampler_shift))
+        metrics.update(margin_metrics(margins, shift, settings.noise_sigma, settings.top_k, sampler_shift))
     metrics.update(S.values(S.combine([r["record"].local for r in ranks])))
-    return metrics, ratio_extremes(per_mb)
+    return metrics, S.values(S.extremes(per_mb))
 
 
 def response_positions(batch: Batch, sl: slice) -> torch.Tensor:

@@ -52,9 +52,10 @@ from moe_rl.trainer.batch import Batch
 from moe_rl.trainer.collapse import CollapseDetector
 from moe_rl.trainer.distributed import Dist
 from moe_rl.trainer.ess_scale import ess_factor, scaled_lr
-from moe_rl.trainer.plan import RoutingPlan
+from moe_rl.trainer.plan import RoutingPlan, drift_minibatches, noise_sigma
 from moe_rl.trainer.reduce import (
     Counts,
+    MetricSettings,
     MinibatchResult,
     StepRecord,
     reduce_step,
@@ -99,12 +100,24 @@ class StepContext:
     """The policy is FSDP2-sharded: its every forward is a collective, so ranks sample in lock-step."""
     objective: ObjectiveSettings | None = None
     """The objective's settings, read once from the config (None: from `cfg`)."""
+    metric_settings: MetricSettings | None = None
+    """What the step's metrics read of the run's settings, once (None: from `cfg`, the task and the routers)."""
 
     def __post_init__(self) -> None:
         if self.train_model is None:
             self.train_model = self.model
         if self.objective is None:  # an inexact sampler's log-probs differ from the old policy's (samplers.py)
             self.objective = ObjectiveSettings.of(self.cfg, mismatch=not self.sampler.exact)
+        if self.metric_settings is None:
+            t = self.cfg.trainer
+            self.metric_settings = MetricSettings(
+                group_size=t.group_size,
+                reward_can_fail=self.task.reward_can_fail,
+                max_new_tokens=self.cfg.sampler.max_new_tokens,
+                top_k=self.controller.top_k,
+                noise_sigma=noise_sigma(self.cfg.routing, 1),
+                drift_minibatches=drift_minibatches(self.cfg.routing, t.mini_batches),
+            )
 
     @property
     def shard(self) -> Shard:
@@ -329,7 +342,8 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     sync_s = ctx.sampler.sync(ctx.model)
     t3 = time.perf_counter()
     record = step_record(ctx, roll, batch, old, plan, (t0, t1, t2, t3), sync_s)
-    metrics, extremes = reduce_step(ctx.dist, roll, scores, results, record)
+    metrics, extremes = reduce_step(ctx.dist, roll, scores, results, record, ctx.metric_settings,
+                                    ctx.scheduler.get_last_lr()[0])
     ctx.detector.observe(step, {**metrics, **extremes})
     return metrics
 
@@ -368,12 +382,5 @@ def step_record(
     return StepRecord(
         local=local,
         margins=response_margins(old_trace, response_positions(batch, slice(None)), ctx.controller.top_k),
-        group_size=t.group_size,
-        reward_can_fail=ctx.task.reward_can_fail,
-        max_new_tokens=ctx.cfg.sampler.max_new_tokens,
-        top_k=ctx.controller.top_k,
-        lr=ctx.scheduler.get_last_lr()[0],
-        noise_sigma=plan.noise_sigma(1),
-        drift_minibatches=plan.drift_minibatches(t.mini_batches) if plan.measures_drift() else None,
         sampler_shift=sampler_shift,
     )

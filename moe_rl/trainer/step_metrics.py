@@ -8,7 +8,6 @@ import math
 import torch
 
 from moe_rl import reduction as S
-from moe_rl.objectives.common import extreme_weight_share
 from moe_rl.routing import (
     RoutingTrace,
     centred_shift_sq,
@@ -28,27 +27,6 @@ def finite_mean(values: list[float]) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return sum(finite) / len(finite) if finite else math.nan
 
-
-def over_minibatches(per_mb: list[dict[str, float]]) -> dict[str, float]:
-    """The step's value of each mini-batch metric (each already reduced over ranks): the sum over
-    mini-batches for `*/sum` keys, else the NaN-skipping mean; then the quotients of those sums
-    (`policy/extreme_weight_share`), so a share is exactly the one over all the step's tokens."""
-    out = {
-        key: sum(m[key] for m in per_mb) if key.endswith("/sum") else finite_mean([m[key] for m in per_mb])
-        for key in per_mb[0]
-    }
-    return {**out, **extreme_weight_share(out)}
-
-
-def ratio_extremes(per_mb: list[dict[str, float]]) -> dict[str, float]:
-    """`ratio/*/max` and `ratio/*/min` over all the step's mini-batches (NaN-skipping: a mini-batch with no
-    token of one advantage sign has NaN there), for the collapse detector."""
-    out = {}
-    for key in per_mb[0]:
-        if key.startswith("ratio/") and key.endswith(("/max", "/min")):
-            values = [m[key] for m in per_mb if not math.isnan(m[key])]
-            out[key] = (max if key.endswith("/max") else min)(values) if values else math.nan
-    return out
 
 def rollout_metrics(rows: list[list[float]], group_size: int, reward_can_fail: bool = False) -> dict[str, float]:
     """Rollout metrics over all ranks' rows in prompt-major order (each prompt's `group_size` completions
@@ -224,7 +202,7 @@ def margin_metrics(
     """`routing/margin/*` over every rank's margins `[N][L]` (pooled, so the order statistics are exact),
     `routing/logit_shift/after_one_update` from each rank's [Σ centred shift², elements] on mini-batch 2,
     and the expert change those predict after one update with injected logit noise σ on top
-    (RoutingPlan.noise_sigma(1); metric table in __init__.py). With `sampler_shift` (each rank's [Σ centred
+    (plan.noise_sigma(routing, 1); metric table in __init__.py). With `sampler_shift` (each rank's [Σ centred
     shift², elements] from a stale sampler's logits to the proximal forward's), the change those margins
     predict at that shift: `routing/margin/predicted_change_vs_sampler`."""
     m_NL = torch.tensor(margins, dtype=torch.float64).reshape(-1, len(margins[0]) if margins else 1)

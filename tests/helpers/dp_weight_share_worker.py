@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/helpers/dp_weight_share_worker.py OUT.json
 
 Every rank computes each objective's metrics on its rows of two mini-batches of `weight_batch`, reduces
-them over ranks (`moe_rl.reduction.combine`, as the step pools a mini-batch) and mini-batches (`over_minibatches`, `ratio_extremes`) as the step
+them over ranks (`moe_rl.reduction.combine`, as the step pools a mini-batch) and mini-batches (`over_updates`, `extremes`) as the step
 does; rank 0 writes the result per objective to OUT.json.
 """
 
@@ -44,15 +44,14 @@ def step_metrics(name: str, rank: int, world: int, gather) -> dict[str, float]:
     """One objective's metrics as the step reduces them, with `gather` the all-gather of picklable objects."""
     from moe_rl import reduction as S
     from moe_rl.objectives import OBJECTIVES
-    from moe_rl.trainer.step_metrics import over_minibatches, ratio_extremes
 
     logp_BT, old_BT, adv_B, mask_BT = weight_batch()
     per_mb = []
     for j in range(2):
         sl = rows(j, rank, world)
         _, stats = OBJECTIVES[name].compute(OBJECTIVES[name].inputs(logp_BT[sl], old_BT[sl], adv_B[sl], mask_BT[sl], **CLIP))
-        per_mb.append(S.values(S.combine(gather(S.to_floats(stats)))))
-    return {**over_minibatches(per_mb), **ratio_extremes(per_mb)}
+        per_mb.append(S.combine(gather(S.to_floats(stats))))
+    return {**S.values(S.over_updates(per_mb)), **S.values(S.extremes(per_mb))}
 
 
 def main(out: str) -> None:

@@ -124,11 +124,9 @@ SIGN_KEYS = tuple(f"ratio/{lv}/{sg}_adv/{ext}" for lv in ("token", "seq") for sg
 def _pooled(name: str) -> dict[str, float]:
     """One objective call on all 8 rows of `weight_batch`: the statistics a reduction must reproduce."""
     from moe_rl.objectives import OBJECTIVES
-    from moe_rl.objectives.common import extreme_weight_share
     from tests.helpers.dp_weight_share_worker import CLIP, weight_batch
 
-    _, m = OBJECTIVES[name](*weight_batch(), **CLIP)
-    return {**m, **extreme_weight_share(m)}
+    return OBJECTIVES[name](*weight_batch(), **CLIP)[1]
 
 
 @pytest.mark.parametrize("name", ["cispo", "gmpo", "grpo", "gspo", "gspo_token"])
@@ -138,8 +136,6 @@ def test_weight_share_and_sign_extremes_reduce_exactly_over_ranks_and_minibatche
     one rank has no token of a sign (NaN there)."""
     from moe_rl import reduction as S
     from moe_rl.objectives import OBJECTIVES
-    from moe_rl.objectives.common import extreme_weight_share
-    from moe_rl.trainer.step_metrics import over_minibatches, ratio_extremes
     from tests.helpers.dp_weight_share_worker import CLIP, rows, weight_batch
 
     logp_BT, old_BT, adv_B, mask_BT = weight_batch()
@@ -151,10 +147,10 @@ def test_weight_share_and_sign_extremes_reduce_exactly_over_ranks_and_minibatche
             _, st = OBJECTIVES[name].compute(OBJECTIVES[name].inputs(logp_BT[sl], old_BT[sl], adv_B[sl], mask_BT[sl], **CLIP))
             stats.append(S.to_floats(st))
             ms.append(S.values(st))
-            shares.append(extreme_weight_share(ms[-1])["policy/extreme_weight_share"])
-        per_mb.append(S.values(S.combine(stats)))  # as the step pools a mini-batch over ranks
+            shares.append(ms[-1]["policy/extreme_weight_share"])
+        per_mb.append(S.combine(stats))  # as the step pools a mini-batch over ranks
         per_rank_mb0 = per_rank_mb0 or ms
-    got, want = {**over_minibatches(per_mb), **ratio_extremes(per_mb)}, _pooled(name)
+    got, want = {**S.values(S.over_updates(per_mb)), **S.values(S.extremes(per_mb))}, _pooled(name)
     assert math.isnan(per_rank_mb0[0]["ratio/token/neg_adv/max"])  # rank 0's first rows: no negative advantage
     assert 0 < want["policy/extreme_weight_share"] < 1
     for key in SHARE_KEYS + SIGN_KEYS:

@@ -262,6 +262,7 @@ def ref_metrics(logp, old, adv, mask, name, clip_low, clip_high, band=(0.5, 2.0)
         "policy/logp_diff/abs_mean": statistics.fmean(abs(x) for x in flat_d),
         "policy/grad_weight/sum": total,
         "policy/extreme_grad_weight/sum": extreme,
+        "policy/extreme_weight_share": extreme / total if total > 0 else math.nan,
     }
 
 
@@ -441,8 +442,6 @@ def test_grpo_clip_diagnostics_hand_constructed():
 def test_extreme_weight_sums_hand_constructed():
     """grpo weighs only tokens with a gradient (no clip, dual-clip cap or ±20 clamp zeroes it) by w·|Â|;
     cispo weighs every token by its truncated weight; the share is their quotient, NaN when nothing is left."""
-    from moe_rl.objectives.common import extreme_weight_share
-
     hi, lo = math.log(20.0), math.log(0.05)
     logp, old, adv, mask = clip_case([[0.0, hi, lo], [hi, 25.0, lo], [hi]], [1.0, -1.0, 0.0])
     keys = ("policy/grad_weight/sum", "policy/extreme_grad_weight/sum")
@@ -450,10 +449,11 @@ def test_extreme_weight_sums_hand_constructed():
         loss, m = OBJECTIVES["grpo"](logp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=c)
         assert [m[k] for k in keys] == pytest.approx([total, extreme], rel=1e-12), c
         assert (grad_of(loss, logp)[:2] != 0).tolist() == [[bool(g) for g in row] for row in grads], c
-        assert extreme_weight_share(m)["policy/extreme_weight_share"] == pytest.approx(extreme / total)
+        assert m["policy/extreme_weight_share"] == pytest.approx(extreme / total)
     _, m = OBJECTIVES["cispo"](logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
     assert [m[k] for k in keys] == pytest.approx([1 + 3 * 1.28 + 2 * 0.8, 3 * 1.28 + 2 * 0.8], rel=1e-12)
-    assert math.isnan(extreme_weight_share({keys[0]: 0.0, keys[1]: 0.0})["policy/extreme_weight_share"])
+    _, m = OBJECTIVES["grpo"](logp, logp, torch.zeros(3, dtype=logp.dtype), mask, clip_low=0.2, clip_high=0.28)
+    assert m[keys[0]] == 0.0 and math.isnan(m["policy/extreme_weight_share"])
 
 
 def test_gspo_clip_diagnostics_count_every_token_of_a_clipped_sequence():
