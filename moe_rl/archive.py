@@ -102,18 +102,14 @@ def _safe_name(name: str, archive: Path) -> PurePosixPath:
 
 
 def _digest(stream) -> str:
-    h = hashlib.sha256()
-    while chunk := stream.read(CHUNK):
-        h.update(chunk)
-    return h.hexdigest()
+    return hashlib.file_digest(stream, "sha256").hexdigest()
 
 
 def _file_digest(path: Path) -> str:
     """sha256 of a file already in the folder, as archived (record_bytes: summary.json's home folder as ~)."""
     if path.name == "summary.json":  # small, and compared as pack would write it
         return hashlib.sha256(record_bytes(path.name, path.read_bytes())).hexdigest()
-    with path.open("rb") as f:
-        return _digest(f)
+    return records.sha256(path)
 
 
 def _check_path(into: Path, dest: Path) -> None:

@@ -69,11 +69,9 @@ def first_line(what: BaseException | str) -> str:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
+    """The hex sha256 of a file's bytes, read in chunks."""
     with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_manifest(path: Path) -> list[Entry]:
@@ -119,16 +117,16 @@ def wandb_source(archive: Path, name: str, digest: str, project: str) -> str:
     return f"wandb:{project}/{name}:{alias}"
 
 
-def git_source(archive: Path, commit: str) -> str:
-    """The source `git:COMMIT:PATH` for `archive` as committed at `commit` (PATH relative to its repository);
-    RunError when that commit does not hold these bytes."""
+def git_source(archive: Path, digest: str, commit: str) -> str:
+    """The source `git:COMMIT:PATH` for `archive` (sha256 `digest`) as committed at `commit` (PATH relative
+    to its repository); RunError when that commit does not hold these bytes."""
     root = Path(_git(archive.parent, "rev-parse", "--show-toplevel").strip())
     rel = archive.resolve().relative_to(root.resolve()).as_posix()
     full = _git(root, "rev-parse", "--verify", f"{commit}^{{commit}}").strip()
     with tempfile.TemporaryDirectory() as tmp:
         got = Path(tmp) / "blob"
         _from_git(root, full, rel, got)
-        if sha256(got) != sha256(archive):
+        if sha256(got) != digest:
             raise RunError(f"{archive}: commit {full[:12]} holds other bytes at {rel}")
     return f"git:{full}:{rel}"
 
@@ -146,7 +144,7 @@ def publish(manifest: Path, archives: Sequence[Path], wandb_project: str | None 
         if entry.sha256 != digest:
             raise RunError(f"{manifest} lists {archive.name} with sha256 {entry.sha256[:16]}..., not {digest[:16]}...: "
                            "an entry is never rewritten; give the archive a new name")
-        sources = [git_source(archive, git_commit)] if git_commit else []
+        sources = [git_source(archive, digest, git_commit)] if git_commit else []
         sources += [f"{url_prefix.rstrip('/')}/{archive.name}"] if url_prefix else []
         sources += [wandb_source(archive, f"{study(manifest)}-records", digest, wandb_project)] if wandb_project else []
         if not sources and not entry.sources:

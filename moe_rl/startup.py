@@ -102,7 +102,7 @@ def check_launch(cfg: Config, world: int) -> None:
     """What `world` processes allow beyond `check_world`: vLLM (installed), an overlapped
     sampler (one process) and FSDP's
     low-precision shards (no master weights). Before the warm start: a missing extra or launcher fails at once."""
-    check_engine_launch(cfg.sampler.engine, cfg.sampler.tensor_parallel_size, world)  # vLLM installed, its tensor parallelism dividing the processes
+    check_engine_launch(cfg.sampler.engine, cfg.sampler.tensor_parallel_size, world)  # its package installed, its tensor parallelism dividing the processes
     if cfg.rollout.overlap and world > 1:
         raise LaunchError(
             f"rollout.overlap=true runs its background sampler in one process, not under torchrun with {world}: "

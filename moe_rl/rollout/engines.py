@@ -57,7 +57,6 @@ ENGINES: dict[str, Engine] = {
     )
 }
 """sampler.engine -> what it can do. The sampler each one builds: moe_rl.trainer.sampling.BUILDERS."""
-INSTALL = ENGINES["vllm"].install
 
 
 def require(engine: Engine) -> None:

@@ -80,9 +80,10 @@ def run_files(run_dir: Path) -> list[str]:
     return [name for name in RUN_FILES if (run_dir / name).exists()]
 
 
-def _holder(run_dir: Path) -> str:
+def _holder(folder: Path, owner: str = OWNER) -> str:
+    """"pid P [on HOST]" of the process that holds `folder`'s lock, from its `owner` file."""
     try:
-        pid, _, host = (run_dir / OWNER).read_text().strip().partition(" ")
+        pid, _, host = (folder / owner).read_text().strip().partition(" ")
     except OSError:
         return "pid unknown"
     return f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
@@ -225,13 +226,8 @@ class SweepFolderCallback(Callback):
 
 
 def _in_use(sweep: Path) -> str:
-    try:
-        pid, _, host = (sweep / SWEEP_OWNER).read_text().strip().partition(" ")
-    except OSError:
-        pid, host = "unknown", ""
-    where = f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
-    return (f"{sweep} is in use by another sweep ({where}): wait for it to end, or give this sweep a folder of "
-            "its own (hydra.sweep.dir=...)")
+    return (f"{sweep} is in use by another sweep ({_holder(sweep, SWEEP_OWNER)}): wait for it to end, or give "
+            "this sweep a folder of its own (hydra.sweep.dir=...)")
 
 
 def sweep_problem(sweep: Path, resume: bool) -> str | None:

@@ -164,10 +164,6 @@ class RoutingPlan:
             return contextlib.nullcontext()
         return self.controller.noise(step_noise(self.controller, self.seed, self.step, self.batch, sl, scale))
 
-    def noise_sigma(self, j: int) -> float:
-        """The logit-noise scale that re-routes update forward j beyond the old forward (`noise_sigma`)."""
-        return noise_sigma(self.routing, j)
-
     @torch.no_grad()
     def after_update(self, optimizer: torch.optim.Optimizer, j: int) -> None:
         """routing.weight_noise: add N(0, σ_w²) to every router weight after optimizer step j. Under

@@ -1,9 +1,11 @@
 """The record store (moe_rl.records): archives published outside the tree come back from the sources a
 committed manifest names, verified against its checksum, or not at all."""
 
+import io
 import json
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -25,9 +27,6 @@ def _git(repo: Path, *args: str) -> str:
 
 def _archive(path: Path, payload: bytes) -> Path:
     """A stand-in archive: the store moves bytes and never opens them, except to count runs."""
-    import io
-    import tarfile
-
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w:xz") as tar:
         for run in ("ws0/0", "ws0/1"):
