@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from PIL import Image
 from scipy import stats as sps
 
 from analysis.cli import main as analyze_main
@@ -359,7 +360,12 @@ def test_real_sweep_figures_are_pngs_linked_from_report(real_sweep):
     assert links == drawn | {"table.json"}
     for name in drawn:
         data = (out / name).read_bytes()
-        assert data[:8] == PNG_MAGIC and len(data) > 5_000, name  # an empty 6 x 4 in. figure is about 2 KB
+        # Empty axes with a title, labels and a grid are 4.4-5.2 KB as save_png writes them, and hold no
+        # coloured pixel; every figure here draws coloured data (the smallest, 7.3 KB).
+        assert data[:8] == PNG_MAGIC and len(data) > 5_000, name
+        with Image.open(out / name) as image:
+            rgb = np.asarray(image.convert("RGB")).astype(int)
+        assert ((rgb.max(-1) - rgb.min(-1)) > 60).any(), f"{name}: no coloured pixel, nothing drawn"
 
 
 def test_real_sweep_table_equals_metrics_recomputed(real_sweep):
