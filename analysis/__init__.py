@@ -1,9 +1,11 @@
 """Analysis of moe-rl sweeps: figures, tables and a report page in the style of the GSPO paper.
 
 Run it as `moe-rl-analyze SWEEP_DIR [SWEEP_DIR ...] --out OUT_DIR` (local Hydra sweep folders) or
-`moe-rl-analyze --wandb ENTITY/PROJECT --group GROUP --out OUT_DIR` (W&B public API). Both sources
-produce the same in-memory list of `Run` records (analysis.load), from which analysis.report builds
-the tables and analysis.figures the PNGs. Every aggregate over seeds carries a 95% confidence
+`moe-rl-analyze --wandb ENTITY/PROJECT --group GROUP --out OUT_DIR` (W&B public API), or from a
+report's per-run table, `moe-rl-analyze OUT_DIR/runs.parquet --out ...` (analysis.runtable). Every source
+produces the same in-memory list of `Run` records (analysis.load), from which analysis.report builds
+the tables and analysis.figures the PNGs; sections read a run's per-run quantities (`Run.mean`, `total`,
+`last`, `summary`) and its eval rows, and only those marked `steps` read per-step curves. Every aggregate over seeds carries a 95% confidence
 interval (analysis.stats), and analysis.pairs tests differences between objectives.
 """
 

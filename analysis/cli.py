@@ -1,13 +1,15 @@
 """`moe-rl-analyze`: figures, tables and a report page for a sweep, from local folders or W&B.
 
     moe-rl-analyze multirun/default/2026-01-01_12-00-00 [more sweep folders ...] --out report/
+    moe-rl-analyze docs/results/confirm_sort_long/runs.parquet --out report/   # a per-run table alone
     moe-rl-analyze --wandb ENTITY/PROJECT --group GROUP --out report/ --title "GSPO vs GRPO"
 
     moe-rl-analyze multirun/stability --out report/ --smooth 0.6 --permutations 20000
     moe-rl-analyze multirun/sweep --out report/ --pair "gspo (replay=off) lr=0.0002" "grpo (replay=off) lr=0.0001"
 
-Writes OUT/report.md (open it in any markdown viewer; it holds every table), OUT/*.png, OUT/table.json
-and OUT/collapse_table.md (the collapse table in full). Tables give mean ± 95% CI over seeds
+Writes OUT/report.md (open it in any markdown viewer; it holds every table), OUT/*.png, OUT/table.json,
+OUT/runs.parquet (the per-run table, analysis.runtable: the analysis runs from it alone, save the per-step
+curves) and OUT/collapse_table.md (the collapse table in full). Tables give mean ± 95% CI over seeds
 (Student t); pairs of objectives get paired or Welch t and permutation tests, and, for runs with
 `eval/expected_accuracy`, the paired AUC difference and a log-rank test of time to regression
 (analysis.pairs, analysis.outcomes). table.json keeps every seed's values. Without a tty
@@ -23,6 +25,7 @@ from pathlib import Path
 from analysis.load import load_local, load_wandb
 from analysis.recount import recount
 from analysis.report import write_report
+from analysis.runtable import read_table
 from moe_rl.errors import one_line_warnings
 
 
@@ -33,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[1:]),
     )
-    parser.add_argument("sweep_dirs", nargs="*", type=Path, help="sweep or run folders, searched recursively")
+    parser.add_argument("sweep_dirs", nargs="*", type=Path,
+                        help="sweep or run folders, searched recursively, or per-run tables (*.parquet)")
     parser.add_argument(
         "--wandb", metavar="ENTITY/PROJECT", help="read runs from W&B instead of local folders"
     )
@@ -91,17 +95,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     one_line_warnings("moe-rl-analyze")
     progress = not args.no_progress and sys.stderr.isatty()
+    tables = [d for d in args.sweep_dirs if d.suffix == ".parquet"]
     if args.wandb:
         runs = load_wandb(args.wandb, args.group, progress=progress)
         sources = [f"wandb:{args.wandb}" + (f" group={args.group}" if args.group else "")]
     else:
-        missing = [str(d) for d in args.sweep_dirs if not d.is_dir()]
+        folders = [d for d in args.sweep_dirs if d.suffix != ".parquet"]
+        missing = [str(d) for d in folders if not d.is_dir()] + [str(t) for t in tables if not t.is_file()]
         if missing:
-            raise SystemExit(f"moe-rl-analyze: {', '.join(missing)}: no such folder")
-        runs = load_local(args.sweep_dirs, progress=progress)
+            raise SystemExit(f"moe-rl-analyze: {', '.join(missing)}: no such folder or table")
+        runs = (load_local(folders, progress=progress) if folders else []) + [r for t in tables for r in read_table(t)]
         sources = [str(d) for d in args.sweep_dirs]
     if not runs:
         raise SystemExit(f"no runs with metrics found in {', '.join(sources)}")
+    if args.recount and tables:
+        raise SystemExit("moe-rl-analyze: --recount reads every step's metrics, which a per-run table does not keep")
     if args.recount:
         runs = [recount(run) for run in runs]
         sources = [*sources, "collapse events re-counted with the current detector (analysis.recount)"]

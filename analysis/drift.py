@@ -55,8 +55,8 @@ from typing import Any
 import numpy as np
 
 from analysis.clusters import CLUSTERED, cluster_contrast, detect_design, unit, unit_key
-from analysis.compare import last_value, run_row
-from analysis.figures import BAND, finite_mean
+from analysis.compare import last_value
+from analysis.figures import BAND
 from analysis.load import Run, group_label, varying_fields
 from analysis.outcomes import auc, format_regression, has_expected, regression_test
 from analysis.pairs import collapsed, final_eval, outcome_difference
@@ -158,7 +158,7 @@ def dose_table(groups: Groups, permutations: int = 10_000, field: str | None = N
         ref_runs = [r for cell in arms[reference][1].values() for r in cell] if reference else []
         for p in sorted(cells):
             runs = cells[p]
-            rows = [run_row(r.rows) for r in runs]
+            rows = [r.summary() for r in runs]
             k, n = sum(collapsed(r) for r in runs), len(runs)
             per_seed = {
                 "seed": [r.seed for r in runs], "expert change": [x["expert change"] for x in rows],
@@ -191,13 +191,13 @@ QUANTITIES = ("expert change", "change after one update", "final eval acc", "fin
 
 def _mean_of(run: Run, key: str) -> float:
     """Mean over the run's rows of a per-step metric (its finite values); nan when none has it."""
-    return finite_mean(run.series(key))
+    return run.mean(key)
 
 
 def _after_one(run: Run) -> float:
     """Mean `routing/expert_change/after_one_update`, or the run's mean expert change without it."""
     value = _mean_of(run, "routing/expert_change/after_one_update")
-    return value if math.isfinite(value) else run_row(run.rows)["expert change"]
+    return value if math.isfinite(value) else run.summary()["expert change"]
 
 
 def _one_per_seed(runs: list[Run]) -> list[Run]:

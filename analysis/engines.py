@@ -24,8 +24,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from analysis.drift import plain
 from analysis.load import Run
 from analysis.pairs import final_eval
@@ -43,12 +41,6 @@ OUTCOMES = {
 def applies(runs: list[Run]) -> bool:
     """Whether the runs cross both engines."""
     return {str(r.flat.get("sampler.engine", "hf")) for r in runs} >= set(ENGINES)
-
-
-def _mean_over_steps(run: Run, key: str) -> float:
-    values = run.series(key)
-    values = values[np.isfinite(values)]
-    return float(values.mean()) if len(values) else math.nan
 
 
 def _cells(runs: list[Run]) -> dict[tuple[str, str], dict[str, dict[int, Run]]]:
@@ -70,7 +62,7 @@ def engine_table(runs: list[Run]) -> list[dict[str, Any]]:
             continue
         seeds = sorted(set(engines["hf"]) & set(engines["vllm"]))
         row: dict[str, Any] = {"arm": arm, "precision": precision, "seeds": seeds, "outcomes": {}}
-        measures = {name: (lambda r, k=key: _mean_over_steps(r, k)) for name, key in OUTCOMES.items()}
+        measures = {name: (lambda r, k=key: r.mean(k)) for name, key in OUTCOMES.items()}
         measures["final eval acc"] = final_eval
         for name, measure in measures.items():
             per_seed = {e: [measure(engines[e][s]) for s in seeds] for e in ENGINES}

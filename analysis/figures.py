@@ -38,7 +38,7 @@ from matplotlib.ticker import MaxNLocator
 
 from analysis.load import Run
 from analysis.plotting import MAX_GROUP_PANELS, band_plot, finish, group_colors, plt
-from analysis.stats import ema, mean_ci
+from analysis.stats import ema, finite_mean, mean_ci
 
 BAND = "95% CI over seeds (Student t)"
 Groups = dict[str, list[Run]]
@@ -50,13 +50,6 @@ LENGTH_VARIANCES = {
     "seq_var": ("sequence ratio s_i", ":", "^"),
 }
 """The `length/<bin>/<key>` variances length_variance.png draws: (legend, line style, marker)."""
-
-
-def finite_mean(values) -> float:
-    """Mean of the finite values (nan when there are none)."""
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    return float(v.mean()) if v.size else math.nan
 
 
 def _ci_stats(v: np.ndarray) -> tuple[float, float, float]:
@@ -443,12 +436,19 @@ FIGURES = {
 SMOOTHED = {"reward_vs_step", "eval_accuracy", "reward_vs_compute", "expert_change"}
 
 
-def write_figures(groups: Groups, out_dir: Path, smooth: float = 0.0) -> dict[str, tuple[Path, str]]:
+EVAL_FIGURES = frozenset({"eval_accuracy"})
+"""The figures drawn from eval rows alone."""
+
+
+def write_figures(groups: Groups, out_dir: Path, smooth: float = 0.0, steps: bool = True) -> dict[str, tuple[Path, str]]:
     """Every figure in FIGURES that has data (eval_accuracy needs eval rows), saved under out_dir:
-    {name: (path, caption)}; `smooth` is the EMA weight of the curves in SMOOTHED."""
+    {name: (path, caption)}; `smooth` is the EMA weight of the curves in SMOOTHED; steps=False draws only
+    the figures of eval rows (EVAL_FIGURES: what runs read from a per-run table can draw)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for name, (plot, caption) in FIGURES.items():
+        if not steps and name not in EVAL_FIGURES:
+            continue
         path = plot(groups, out_dir, smooth=smooth) if name in SMOOTHED else plot(groups, out_dir)
         if path is not None:
             written[name] = (path, caption)

@@ -27,13 +27,16 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from analysis.compare import (
+    COLUMNS,
     NOT_A_GROUP,
     NOT_A_GROUP_PREFIXES,
     BrokenRunError,
     read_run,
+    run_row,
     set_aside,
     splits_groups,
 )
+from analysis.stats import finite_mean
 from moe_rl.provenance import provenance_mismatch
 from moe_rl.trainer.logging import CorruptLogError, read_jsonl
 
@@ -45,9 +48,27 @@ CLUSTER_FIELDS = frozenset({"warmstart.build_seed"})
 not arms, so they never split a group here (moe-rl-compare's table still splits on them)."""
 
 
+EVAL_PREFIX = "eval/"
+"""Keys logged at eval steps only: a per-run table keeps their rows whole (analysis.runtable)."""
+TOTALS = ("time/",)
+"""The keys whose sum over steps a per-run table keeps (costs); `total` of any other raises for its runs."""
+LASTS = ("collapse/",)
+"""The keys whose final value a per-run table keeps (counters); `last` of any other raises for its runs."""
+
+
+class NotInTableError(KeyError):
+    """A per-step quantity asked of a run read from a per-run table, which keeps per-run quantities only."""
+
+
 @dataclass
 class Run:
-    """One training run, whatever its source."""
+    """One training run, whatever its source.
+
+    What the analysis reads of a run's steps goes through `mean`, `total`, `last` and `summary` (per-run
+    quantities) or `series` (a curve). A run read back from a per-run table (analysis.runtable) has its
+    per-run quantities in `reduced` and only its eval rows in `rows`: the same answers, save `series` of a
+    per-step key, which raises NotInTableError naming the key.
+    """
 
     config: dict[str, Any]
     """The resolved config, nested like conf/ (objective.preset, routing.replay, trainer.lr, ...)."""
@@ -59,6 +80,10 @@ class Run:
     """Where it came from: the run folder, or the W&B run path."""
     provenance: dict[str, Any] | None = None
     """Versions, commit, CPU kernels, threads and device (moe_rl.provenance); None for a run that predates it."""
+    reduced: dict[str, float] | None = None
+    """From a per-run table: "mean:KEY", "total:KEY", "last:KEY" and "summary:COLUMN" (analysis.runtable)."""
+    logged: frozenset[str] | None = None
+    """From a per-run table: every key the run logged at some step."""
 
     @property
     def flat(self) -> dict[str, Any]:
@@ -74,13 +99,45 @@ class Run:
     def seed(self) -> int:
         return int(self.config["seed"])
 
+    def _kept(self, key: str, prefixes: tuple[str, ...], what: str) -> None:
+        if self.reduced is not None and not key.startswith(prefixes):
+            raise NotInTableError(f"{self.source}: a per-run table keeps no {what} of {key!r} "
+                                  "(moe-rl-archive fetch the sweep's records for it)")
+
     def series(self, key: str) -> np.ndarray:
         """The metric `key` over steps (nan where a step lacks it)."""
+        self._kept(key, (EVAL_PREFIX,), "per-step curve")
         return np.array([_to_float(r.get(key, math.nan)) for r in self.rows], dtype=float)
 
     def keys(self) -> set[str]:
         """Every metric key logged at some step."""
-        return {k for r in self.rows for k in r}
+        return set(self.logged) if self.logged is not None else {k for r in self.rows for k in r}
+
+    def mean(self, key: str) -> float:
+        """`key`'s mean over the run's steps, finite values only (nan when none is)."""
+        if self.reduced is not None:
+            return self.reduced.get(f"mean:{key}", math.nan)
+        return finite_mean(self.series(key))
+
+    def total(self, key: str) -> float:
+        """`key`'s sum over the run's steps, non-finite values left out (0 when none is finite)."""
+        self._kept(key, TOTALS, "sum over steps")
+        if self.reduced is not None:
+            return self.reduced.get(f"total:{key}", 0.0)
+        return float(np.nansum(self.series(key)))
+
+    def last(self, key: str, default: float = math.nan) -> float:
+        """`key` in the run's final row; `default` when that row lacks it."""
+        self._kept(key, LASTS, "final value")
+        if self.reduced is not None:
+            return self.reduced.get(f"last:{key}", default)
+        return float(self.rows[-1].get(key, default)) if self.rows else default
+
+    def summary(self) -> dict[str, float]:
+        """moe-rl-compare's columns for this run (analysis.compare.run_row)."""
+        if self.reduced is not None:
+            return {column: self.reduced.get(f"summary:{column}", math.nan) for column in COLUMNS}
+        return run_row(self.rows)
 
 
 def _to_float(value: Any) -> float:

@@ -37,13 +37,12 @@ import numpy as np
 
 from analysis.clusters import CLUSTERED, detect_design, unit_key
 from analysis.drift import plain
-from analysis.figures import finite_mean
 from analysis.load import Run
 from analysis.outcomes import auc, has_expected
 from analysis.pairs import collapsed, outcome_difference
 from analysis.plotting import finish, plt
 from analysis.sections import Section, doc_intro
-from analysis.stats import format_difference, mean_ci, short_verdict, slope_over_seeds, verdict
+from analysis.stats import finite_mean, format_difference, mean_ci, short_verdict, slope_over_seeds, verdict
 
 ARMS = {"grpo (replay=off)": "off", "grpo_rr (replay=old)": "R2", "grpo_r3 (replay=rollout)": "R3",
         "grpo_tis (replay=off)": "TIS"}  # fmt: skip
@@ -88,7 +87,7 @@ def applies(runs: list[Run]) -> bool:
 
 def cost_s(run: Run) -> float:
     """Wall seconds of the run's steps and evaluations."""
-    return float(np.nansum(run.series("time/step_s")) + np.nansum(run.series("time/eval_s")))
+    return run.total("time/step_s") + run.total("time/eval_s")
 
 
 def offpolicy_table(runs: list[Run]) -> list[dict[str, Any]]:
@@ -99,7 +98,7 @@ def offpolicy_table(runs: list[Run]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"source": src, "mini_batches": m, "arms": {}, "contrasts": {}}
         for arm, rs in arms.items():
             per_seed = {"seed": [r.seed for r in rs], "auc": [auc(r) for r in rs],
-                        "mismatch": [finite_mean(r.series("mismatch/logp_abs_diff/mean")) for r in rs],
+                        "mismatch": [r.mean("mismatch/logp_abs_diff/mean") for r in rs],
                         "cost_s": [cost_s(r) for r in rs], "collapsed": [collapsed(r) for r in rs]}  # fmt: skip
             row["arms"][arm] = {"auc": mean_ci(per_seed["auc"]), "mismatch": mean_ci(per_seed["mismatch"]),
                                 "cost_s": mean_ci(per_seed["cost_s"]), "collapsed": sum(per_seed["collapsed"]),

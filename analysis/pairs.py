@@ -32,7 +32,7 @@ import math
 from typing import Any
 
 from analysis.clusters import CLUSTERED, Design, contrast_row, detect_design, format_clusters, unit
-from analysis.compare import last_value, run_row
+from analysis.compare import last_value
 from analysis.load import Run
 from analysis.outcomes import (
     REGRESSION_FRAC,
@@ -51,7 +51,7 @@ Groups = dict[str, list[Run]]
 
 def collapsed(run: Run) -> bool:
     """Whether the run logged at least one collapse event (`collapse/events` at its last step > 0)."""
-    return float(run.rows[-1].get("collapse/events", 0.0)) > 0
+    return run.last("collapse/events", 0.0) > 0
 
 
 def final_eval(run: Run) -> float:
@@ -61,7 +61,7 @@ def final_eval(run: Run) -> float:
 
 def final_reward(run: Run) -> float:
     """The summary table's final reward: mean `rollout/reward/mean` over the last 5 steps."""
-    return run_row(run.rows)["final reward"]
+    return run.summary()["final reward"]
 
 
 def outcome_difference(a: list[Run], b: list[Run], per_seed=final_eval) -> Difference:

@@ -57,10 +57,21 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis import critical, drift, engines, factorial, offpolicy, outcomes, staleness, steplr, variants
+from analysis import (
+    critical,
+    drift,
+    engines,
+    factorial,
+    offpolicy,
+    outcomes,
+    runtable,
+    staleness,
+    steplr,
+    variants,
+)
 from analysis.clusters import detect_design
-from analysis.compare import COLUMNS, format_cell, run_row, shown_columns
-from analysis.figures import BAND, finite_mean, write_figures
+from analysis.compare import COLUMNS, format_cell, shown_columns
+from analysis.figures import BAND, write_figures
 from analysis.load import Run, group_runs, short_names, sort_key, varying_fields
 from analysis.pairs import check_pairs, format_pairs, pairwise
 from analysis.sections import Figures, Section, Sweep
@@ -71,7 +82,7 @@ def summary_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
     """Per group: seeds, each COLUMNS value averaged over seeds, its 95% CI half-width ("ci95") and n ("n")."""
     table = {}
     for label, runs in groups.items():
-        rows = [run_row(r.rows) for r in runs]
+        rows = [r.summary() for r in runs]
         cis = {c: mean_ci([row[c] for row in rows]) for c in COLUMNS}
         table[label] = {
             "seeds": [r.seed for r in runs],
@@ -84,7 +95,7 @@ def summary_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
 
 
 def _events(run: Run) -> float:
-    return float(run.rows[-1].get("collapse/events", 0.0))
+    return run.last("collapse/events", 0.0)
 
 
 def collapse_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
@@ -155,11 +166,11 @@ STEP_COLUMNS = {
 def step_table(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
     """Per group: each STEP_COLUMNS metric's mean over steps, averaged over seeds (mean, 95% CI half, n),
     with every seed's value; empty when no run logged the change after one update."""
-    if not any("routing/expert_change/after_one_update" in row for rs in groups.values() for r in rs for row in r.rows):
+    if not any("routing/expert_change/after_one_update" in r.keys() for rs in groups.values() for r in rs):
         return {}
     table = {}
     for label, runs in groups.items():
-        per_seed = {c: [finite_mean(r.series(k)) for r in runs] for c, k in STEP_COLUMNS.items()}
+        per_seed = {c: [r.mean(k) for r in runs] for c, k in STEP_COLUMNS.items()}
         cis = {c: mean_ci(v) for c, v in per_seed.items()}
         table[label] = {"seeds": [r.seed for r in runs], **{c: ci.mean for c, ci in cis.items()},
                         "ci95": {c: ci.half for c, ci in cis.items()}, "n": {c: ci.n for c, ci in cis.items()},
@@ -248,6 +259,13 @@ SECTIONS: tuple[Section, ...] = (
 """The report's sections in report.md's order (and table.json's); each applies or is left out."""
 
 
+def tabled_note(left_out: list[str]) -> str:
+    """report.md's sentence on what a report made from per-run tables leaves out."""
+    what = "the figures of per-step curves" + "".join(f" and the section \"{h}\"" for h in left_out)
+    return (f"Read from per-run tables (analysis.runtable), which keep no per-step curve: {what} "
+            f"are left out (`moe-rl-archive fetch` the sweep's records for them).")
+
+
 def write_report(
     runs: list[Run],
     out_dir: Path,
@@ -258,7 +276,9 @@ def write_report(
     sections: tuple[Section, ...] = SECTIONS,
     pairs: tuple[tuple[str, str], ...] = (),
 ) -> Path:
-    """Figures, tables (markdown and table.json) and report.md under out_dir; returns report.md's path.
+    """Figures, tables (markdown and table.json), the per-run table (runs.parquet, analysis.runtable) and
+    report.md under out_dir; returns report.md's path. From runs read back from a per-run table, the
+    sections that read per-step curves (`Section.steps`) and the curve figures are left out, and said so.
 
     smooth: EMA weight for the curves (0 = none; analysis.stats.ema); permutations: the collapse-rate
     permutation test's budget (exact below it, seeded random splits above); sections: the registry to
@@ -272,18 +292,22 @@ def write_report(
     groups = group_runs(runs, fields)
     check_pairs(groups, tuple(pairs))
     sweep = Sweep(runs, fields, groups, permutations, smooth, tuple(pairs))
-    done = [(s, r) for s in sections if s.applies(sweep) and (r := s.compute(sweep)) is not None]
+    tabled = any(run.reduced is not None for run in runs)
+    left_out = [s.heading for s in sections if tabled and s.steps and s.applies(sweep)]
+    done = [(s, r) for s in sections if not (tabled and s.steps) and s.applies(sweep)
+            and (r := s.compute(sweep)) is not None]
     lead: Figures = {}
     rest: Figures = {}
     for section, result in done:
         (lead if section.lead else rest).update(section.figures(result, out_dir))
-    figures = {**lead, **write_figures(groups, out_dir, smooth=smooth), **rest}
+    figures = {**lead, **write_figures(groups, out_dir, smooth=smooth, steps=not tabled), **rest}
     table: dict[str, Any] = {}
     for section, result in done:
         if section.file and section.markdown(result) not in section.report_text(result):
             (out_dir / section.file).write_text(section.markdown(result) + "\n")  # else report.md holds it
         table.update(section.entries(result))
     (out_dir / "table.json").write_text(json.dumps(table, separators=(",", ":")))  # compact: it is read by code
+    runtable.write_table(runs, out_dir / runtable.FILE)
 
     names = short_names(fields)
     varying = ", ".join(f"`{f}`" + (f" (shown as {names[f]})" if names[f] != f else "") for f in fields)
@@ -302,6 +326,7 @@ def write_report(
             if smooth
             else ""
         ),
+        *([tabled_note(left_out)] if tabled else []),
         *(text for section, result in done if (text := section.report_text(result))),
         "## Figures",
     ]

@@ -66,6 +66,9 @@ class Section:
     lead: its figures come before the curves in report.md's figure list.
     body(result): report.md's text under the heading when it differs from `markdown(result)` (None:
         the same); "" leaves the section out of report.md (its file and table.json entries stay).
+    steps: it reads per-step curves (`Run.series` of a per-step key), which a per-run table does not
+        keep: a report made from one (analysis.runtable) leaves it out and says so. Every other section
+        reads per-run quantities and eval rows only, and gives the same result from the table.
     """
 
     name: str
@@ -79,6 +82,7 @@ class Section:
     figures: Callable[[Any, Path], Figures] = no_figures
     lead: bool = False
     body: Callable[[Any], str] | None = None
+    steps: bool = False
 
     def entries(self, result: Any) -> dict[str, Any]:
         """table.json's entries for `result`."""

@@ -215,4 +215,5 @@ SECTION = Section(
     compute=staleness_table,
     markdown=format_staleness,
     figures=plot_staleness,
+    steps=True,
 )

@@ -44,6 +44,13 @@ def finite(values: Sequence[float] | np.ndarray) -> np.ndarray:
     return v[np.isfinite(v)]
 
 
+def finite_mean(values) -> float:
+    """Mean of the finite values (nan when there are none)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if v.size else math.nan
+
+
 @dataclass(frozen=True)
 class MeanCI:
     """A mean over seeds with its confidence interval: mean ± half (nan half when n < 2)."""

@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from analysis.clusters import CLUSTERED, cluster_contrast, detect_design, unit, unit_key, warm_start_verdict
-from analysis.figures import finite_mean
 from analysis.load import Run
 from analysis.outcomes import auc, has_expected
 from analysis.pairs import final_eval, final_reward
@@ -242,7 +241,7 @@ def arms_from_runs(
         if clustered:
             cluster_of[key] = repr(unit(run)[0])
         out[arm][lr][key] = float(per_run(run))
-        kl[arm][lr][key] = finite_mean(run.series(KL))
+        kl[arm][lr][key] = run.mean(KL)
     return (name, {k: dict(v) for k, v in out.items()}, {k: dict(v) for k, v in kl.items()},
             cluster_of if clustered else None)
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from analysis.load import Run
 from analysis.sections import Section, Sweep, doc_intro
 from analysis.stats import holm, mean_ci, paired_t, verdict
@@ -43,12 +41,6 @@ def applies(sweep: Sweep) -> bool:
     return any(f in sweep.fields for f in FIELDS)
 
 
-def _mean_over_steps(run: Run, key: str) -> float:
-    v = run.series(key)
-    v = v[np.isfinite(v)]
-    return float(v.mean()) if v.size else math.nan
-
-
 def variant_contrasts(sweep: Sweep) -> dict[str, Any] | None:
     """Per arm and variant: each outcome's mean ± CI and its paired difference to the arm's base (module docstring)."""
     cells: dict[str, dict[str, dict[int, Run]]] = {}
@@ -65,8 +57,8 @@ def variant_contrasts(sweep: Sweep) -> dict[str, Any] | None:
             seeds = sorted(runs.keys() & base.keys())
             row: dict[str, Any] = {"arm": arm, "variant": name, "seeds": seeds}
             for outcome, key in OUTCOMES.items():
-                a = [_mean_over_steps(runs[s], key) for s in seeds]
-                b = [_mean_over_steps(base[s], key) for s in seeds]
+                a = [runs[s].mean(key) for s in seeds]
+                b = [base[s].mean(key) for s in seeds]
                 d = paired_t(a, b)
                 ref = mean_ci(b).mean
                 row[outcome] = {"variant": mean_ci(a).mean, "base": ref, "diff": d.diff, "lo": d.lo, "hi": d.hi,

@@ -396,6 +396,22 @@ def test_real_sweep_table_equals_metrics_recomputed(real_sweep):
     )  # the check is not vacuous: the warm-started runs have real clip fractions, variances, ...
 
 
+def test_real_sweep_reports_the_same_from_its_per_run_table_alone(real_sweep, tmp_path):
+    """moe-rl-analyze on the sweep's runs.parquet (analysis.runtable) writes the same table.json and eval
+    figures, byte for byte, and the same report.md but for its source, the note on what a table leaves out and
+    the per-step figures."""
+    _, out = real_sweep
+    analyze_main([str(out / "runs.parquet"), "--out", str(tmp_path), "--title", "tiny sweep"])
+    assert (tmp_path / "table.json").read_bytes() == (out / "table.json").read_bytes()
+    assert {p.name for p in tmp_path.glob("*.png")} == {"eval_accuracy.png", "expected_accuracy.png"}
+    for png in tmp_path.glob("*.png"):
+        assert png.read_bytes() == (out / png.name).read_bytes(), png.name
+    ours = (tmp_path / "report.md").read_text()
+    assert "Read from per-run tables" in ours
+    theirs = (out / "report.md").read_text()
+    assert ours.split("\n\n## ")[1:-1] == theirs.split("\n\n## ")[1:-1]  # every section but the figures
+
+
 def test_real_sweep_collapse_table_counts_seeds_with_events(real_sweep):
     """The collapse table gives, per label, the seeds whose metrics.jsonl ends with collapse/events > 0."""
     sweep, out = real_sweep

@@ -40,7 +40,7 @@ def _run(arm: str, k: int, w: int, seed: int) -> Run:
     return Run(config=config, rows=rows, events=[], source=f"{arm}{k}{w}{seed}")
 
 
-def _runs() -> list[Run]:
+def stale_runs() -> list[Run]:
     return [_run(arm, k, w, s) for arm in ("grpo", "grpo_rr") for k in LEVELS for w in range(WARM) for s in range(SEEDS)]
 
 
@@ -55,7 +55,7 @@ def _steady(run: Run, k: int) -> float:
 
 
 def test_bins_steady_states_and_growth_match_a_float64_reference():
-    runs = _runs()
+    runs = stale_runs()
     result = staleness_table(_sweep(runs))
     assert result["clustered"]
     arm = "grpo (replay=off)"
@@ -100,7 +100,7 @@ def test_bins_steady_states_and_growth_match_a_float64_reference():
 
 
 def test_the_report_has_the_section_and_its_figure_only_when_a_run_logged_the_change(tmp_path):
-    runs = _runs()
+    runs = stale_runs()
     report = write_report(runs, tmp_path / "with", "t", ["x"], permutations=200)
     assert "## Expert change against staleness" in report.read_text()
     assert (tmp_path / "with" / "staleness.png").stat().st_size > 0
