@@ -177,11 +177,11 @@ def _natural(ctx: StepContext, batch: Batch, A: slice, B: slice, step: int, lrs:
     restore = _restorer(ctx)
     batch.minibatches = [A]
     plan = RoutingPlan(ctx.cfg.routing, ctx.controller, batch, step, ctx.cfg.seed)  # unperturbed (main)
-    old = old_policy(ctx, batch, plan)
+    old = old_policy(ctx.forwards, batch, plan)
     for lr in lrs:
         for group in ctx.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)  # the router group keeps trainer.router_lr_scale
-        update(ctx, batch, old, plan, 0)
+        update(ctx.forwards, ctx.stepper, ctx.objective, batch, old, plan, 0)
         # The re-routing's own effect: the updated policy routed freely against the same policy replaying
         # the old routing (R2), so the update's direct effect on every weight cancels; its whole effect beside it.
         _replay_removable(ctx, batch, B, ref, ("natural", lr), meas)

@@ -26,7 +26,11 @@ sampler all see the same experts. Which routing each forward uses (replay, noise
 
     rl_step(ctx, step)
       ctx.sampler.rollout -> Batch.build -> RoutingPlan -> old_policy -> update x M -> ctx.sampler.sync
-      -> reduce_step -> ctx.detector.observe
+      -> step_record -> reduce_step -> ctx.detector.observe
+
+Only rl_step reads the whole context. Each phase takes the fields it reads: the forwards (`Forwards`:
+policy, update wrapper, routers, reference, temperature, aux weight), the optimizer step (`Stepper`), the
+objective (`ObjectiveSettings`) and the metrics' settings (`MetricSettings`), each built from the context.
 """
 
 from __future__ import annotations
@@ -123,9 +127,57 @@ class StepContext:
     def shard(self) -> Shard:
         return Shard(self.dist.rank, self.dist.world)
 
+    @property
+    def forwards(self) -> Forwards:
+        """What the old-policy and update phases run their forwards with."""
+        return Forwards(self.model, self.train_model, self.controller, self.ref_model,
+                        self.cfg.sampler.temperature or 1.0, self.cfg.model.router_aux_loss_coef,
+                        self.cfg.trainer.reuse_sampler_logp)
+
+    @property
+    def stepper(self) -> Stepper:
+        """What an optimizer step touches."""
+        t = self.cfg.trainer
+        return Stepper(self.model, self.optimizer, self.scheduler, self.dist, self.detector, t.grad_clip,
+                       t.ess_step_scale)
+
     def prompt(self, text: str) -> str:
         """A task prompt as the model sees it: plain, or one user turn of the chat template (task.chat_template)."""
         return chat_prompt(self.tokenizer, text) if self.cfg.task.chat_template else text
+
+
+@dataclass(frozen=True)
+class Forwards:
+    """The policy's forwards, as the old-policy and update phases read them."""
+
+    model: PreTrainedModel
+    """Sampling and old-policy forwards call it (never a wrapper)."""
+    train_model: nn.Module
+    """The update forward calls it: the DDP wrapper, else `model`."""
+    controller: RoutingController
+    ref_model: PreTrainedModel | None
+    temperature: float
+    """sampler.temperature (0, greedy, scores at 1)."""
+    aux_coef: float
+    """model.router_aux_loss_coef: the load-balancing loss's weight in the update (0: not computed)."""
+    old_from_sampler: bool
+    """trainer.reuse_sampler_logp: the sampler ran these weights at this precision, so its log-probs and
+    routing are the old policy's."""
+
+
+@dataclass(frozen=True)
+class Stepper:
+    """What an optimizer step touches: backward, clip, step and the lr schedule, decided alike on every rank."""
+
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    dist: Dist
+    detector: CollapseDetector
+    """Notes a non-finite loss or gradient norm."""
+    grad_clip: float | None
+    ess_step_scale: str
+    """trainer.ess_step_scale: off, sqrt or linear (ess_scale.py)."""
 
 
 @dataclass(frozen=True)
@@ -179,29 +231,21 @@ class OldPolicy:
 
 
 @torch.no_grad()
-def old_policy(ctx: StepContext, batch: Batch, plan: RoutingPlan) -> OldPolicy:
+def old_policy(fw: Forwards, batch: Batch, plan: RoutingPlan) -> OldPolicy:
     """Old-policy log-probs and routing (with logits), one forward per mini-batch, in the plan's routing:
     under R3 it replays the sampler's routing (its trace is then the routers' free choice given the
     replayed layers above, what expert change is measured against); under scope-trainer noise it is
     perturbed. With trainer.reuse_sampler_logp the sampler ran these weights at this precision: its
     log-probs and routing are taken as they are."""
-    if ctx.cfg.trainer.reuse_sampler_logp:
+    if fw.old_from_sampler:
         return OldPolicy([batch.sampler_logp_BR[sl] for sl in batch.minibatches],
                          [batch.sampler_trace.rows(sl) for sl in batch.minibatches])
     R = batch.response_mask_BR.shape[1]
     logps, traces = [], []
     for sl in batch.minibatches:
-        with ctx.controller.record(with_logits=True, with_gates=plan.records_gates) as rec, plan.old(sl):
-            logps.append(
-                response_logprobs(
-                    ctx.model,
-                    batch.input_ids_BS[sl],
-                    batch.attention_mask_BS[sl],
-                    R,
-                    ctx.cfg.sampler.temperature or 1.0,
-                    batch.support_of(sl),
-                )
-            )
+        with fw.controller.record(with_logits=True, with_gates=plan.records_gates) as rec, plan.old(sl):
+            logps.append(response_logprobs(fw.model, batch.input_ids_BS[sl], batch.attention_mask_BS[sl], R,
+                                           fw.temperature, batch.support_of(sl)))
         traces.append(rec.trace)
     return OldPolicy(logps, traces)
 
@@ -219,53 +263,59 @@ def loss_scales(dist: Dist, batch: Batch, loss_agg: str) -> list[float]:
 
 
 def update(
-    ctx: StepContext, batch: Batch, old: OldPolicy, plan: RoutingPlan, j: int, loss_scale: float = 1.0
+    fw: Forwards,
+    st: Stepper,
+    objective: ObjectiveSettings,
+    batch: Batch,
+    old: OldPolicy,
+    plan: RoutingPlan,
+    j: int,
+    loss_scale: float = 1.0,
 ) -> MinibatchResult:
     """One optimizer step on mini-batch j (0-based) in the plan's routing; returns its stats (which keep
     their moe_rl.reduction for the exact reduction over ranks), its routing change (the routing this forward
     used absent replay, free or drifted, against the old policy's) and its counts."""
-    cfg = ctx.cfg
+    ocfg = objective.cfg
     sl, old_logp_bR, old_trace = batch.minibatches[j], old.logps[j], old.traces[j]
     R = batch.response_mask_BR.shape[1]
-    ctx.model.train()
+    fw.model.train()
     ids_bS, attn_bS = batch.input_ids_BS[sl], batch.attention_mask_BS[sl]
-    temperature = cfg.sampler.temperature or 1.0
-    aux_coef = cfg.model.router_aux_loss_coef
+    temperature, aux_coef = fw.temperature, fw.aux_coef
     with (
         # mini-batch 2's logit shift; every mini-batch's under RSPO
-        ctx.controller.record(with_logits=j == 1 or cfg.objective.router_shift) as rec,
+        fw.controller.record(with_logits=j == 1 or ocfg.router_shift) as rec,
         plan.update(j, sl, old_trace) as used,
     ):
         topk_ids = None if batch.topk_ids_BRK is None else batch.topk_ids_BRK[sl]
         logp_bR, aux_loss, topk_logp = response_logprobs_and_aux(
-            ctx.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0, support=batch.support_of(sl),
+            fw.train_model, ids_bS, attn_bS, R, temperature, with_aux=aux_coef > 0, support=batch.support_of(sl),
             topk_ids_BRK=topk_ids,
         )
-    change = routing_change(batch, sl, rec.trace, old_trace, used.drift, ctx.controller.num_layers,
+    change = routing_change(batch, sl, rec.trace, old_trace, used.drift, fw.controller.num_layers,
                             plan.measures_drift())
     ref_logp = None
-    if ctx.ref_model is not None:
+    if fw.ref_model is not None:
         with torch.no_grad():
-            ref_logp = response_logprobs(ctx.ref_model, ids_bS, attn_bS, R, temperature)
+            ref_logp = response_logprobs(fw.ref_model, ids_bS, attn_bS, R, temperature)
     shift_bR, shift_stats = None, {}
-    if cfg.objective.router_shift:  # RSPO's γ̃ [b, R] from the traces, not a second forward
+    if ocfg.router_shift:  # RSPO's γ̃ [b, R] from the traces, not a second forward
         shift_bR, shift_stats = router_shift_ratio(
             rec.trace.router_logits_BTLE[:, -R:],  # the R positions that predict response tokens
             old_trace.router_logits_BTLE[:, -R:],
             plan.activated(sl, old_trace).expert_ids_BTLK[:, -R:],
             batch.response_mask_BR[sl],
-            cfg.objective.router_shift_floor,
+            ocfg.router_shift_floor,
         )
     top = None if topk_logp is None else TopK(batch.topk_logp_BRK[sl], topk_logp)
-    loss, metrics = ctx.objective(
+    loss, metrics = objective(
         logp_bR, old_logp_bR, batch.adv_B[sl], batch.response_mask_BR[sl],
         ref_logp=ref_logp, sampler_logp=batch.sampler_logp_BR[sl], router_shift=shift_bR, topk=top,
     )
     metrics.update(shift_stats)
     if plan.partial():  # replaced over replayed slots at valid positions, pooled and per layer
-        metrics.update(replace_rate(used.replay.replaced_BTL, batch.valid_BS1[sl].cpu(), ctx.controller.top_k))
+        metrics.update(replace_rate(used.replay.replaced_BTL, batch.valid_BS1[sl].cpu(), fw.controller.top_k))
     if j > 0:  # the first mini-batch is on-policy: every ratio is 1 there
-        bins = length_bins(cfg.sampler.max_new_tokens)
+        bins = length_bins(objective.max_len)
         change.length = length_sums(logp_bR, old_logp_bR, batch.response_mask_BR[sl], bins).flatten().tolist()
     if aux_loss is not None:  # the family's load-balancing loss (model.router_aux_loss_coef > 0)
         loss = loss + aux_coef * aux_loss
@@ -273,36 +323,36 @@ def update(
     loss = loss * loss_scale
     metrics["train/loss"] = S.scalar(loss.item())
     lr_factor = 1.0
-    if cfg.trainer.ess_step_scale != "off":  # VCPO: this step's lr by the mini-batch's ESS (ess_scale.py)
+    if st.ess_step_scale != "off":  # VCPO: this step's lr by the mini-batch's ESS (ess_scale.py)
         lr_factor = ess_factor(old_logp_bR, batch.sampler_logp_BR[sl], batch.response_mask_BR[sl],
-                               cfg.trainer.ess_step_scale, ctx.dist)
+                               st.ess_step_scale, st.dist)
         metrics["train/ess_lr_factor"] = S.scalar(lr_factor)
-    metrics.update(grad_metrics(optimizer_step(ctx, plan, loss, j, lr_factor), cfg.trainer.grad_clip))
+    metrics.update(grad_metrics(optimizer_step(st, plan, loss, j, lr_factor), st.grad_clip))
     return MinibatchResult(S.to_floats(metrics), change, Counts.of(batch, sl))
 
 
-def optimizer_step(ctx: StepContext, plan: RoutingPlan, loss: torch.Tensor, j: int, lr_factor: float = 1.0) -> float:
+def optimizer_step(st: Stepper, plan: RoutingPlan, loss: torch.Tensor, j: int, lr_factor: float = 1.0) -> float:
     """Backward, clip and step (at every group's lr times `lr_factor`, restored after it: ess_scale.py);
     returns the gradient norm (nan when the loss was not finite). A non-finite loss or gradient norm skips
     the update and is noted with the collapse detector. After a step, the plan's router-weight noise
     (routing.weight_noise)."""
     # Every rank must skip or take the update alike (a backward is a collective): decide on the sum.
-    loss_sum = ctx.dist.sum([loss.item()])[0]
+    loss_sum = st.dist.sum([loss.item()])[0]
     if not math.isfinite(loss_sum):
-        ctx.detector.nonfinite(plan.step, loss_sum / ctx.dist.world, "train/loss")
+        st.detector.nonfinite(plan.step, loss_sum / st.dist.world, "train/loss")
         return math.nan
-    ctx.dist.collective(loss.backward)  # DDP and FSDP reduce gradients across ranks in backward
-    clip = ctx.cfg.trainer.grad_clip
-    norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), math.inf if clip is None else clip)
+    st.dist.collective(loss.backward)  # DDP and FSDP reduce gradients across ranks in backward
+    clip = st.grad_clip
+    norm = torch.nn.utils.clip_grad_norm_(st.model.parameters(), math.inf if clip is None else clip)
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     if math.isfinite(grad_norm):
-        with scaled_lr(ctx.optimizer, lr_factor):
-            ctx.optimizer.step()
-        plan.after_update(ctx.optimizer, j)
+        with scaled_lr(st.optimizer, lr_factor):
+            st.optimizer.step()
+        plan.after_update(st.optimizer, j)
     else:
-        ctx.detector.nonfinite(plan.step, grad_norm, "train/grad_norm")
-    ctx.optimizer.zero_grad(set_to_none=True)
-    ctx.scheduler.step()
+        st.detector.nonfinite(plan.step, grad_norm, "train/grad_norm")
+    st.optimizer.zero_grad(set_to_none=True)
+    st.scheduler.step()
     return grad_norm
 
 
@@ -335,13 +385,14 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
                         shuffle_gen=ctx.shuffle_gen, dist=ctx.dist)
     plan = RoutingPlan(cfg.routing, ctx.controller, batch, step, cfg.seed)
     t1 = time.perf_counter()
-    old = old_policy(ctx, batch, plan)
+    fw, st = ctx.forwards, ctx.stepper
+    old = old_policy(fw, batch, plan)
     t2 = time.perf_counter()
     scales = loss_scales(ctx.dist, batch, cfg.objective.loss_agg)
-    results = [update(ctx, batch, old, plan, j, scales[j]) for j in range(t.mini_batches)]
+    results = [update(fw, st, ctx.objective, batch, old, plan, j, scales[j]) for j in range(t.mini_batches)]
     sync_s = ctx.sampler.sync(ctx.model)
     t3 = time.perf_counter()
-    record = step_record(ctx, roll, batch, old, plan, (t0, t1, t2, t3), sync_s)
+    record = step_record(ctx.metric_settings, roll, batch, old, plan, (t0, t1, t2, t3), sync_s)
     metrics, extremes = reduce_step(ctx.dist, roll, scores, results, record, ctx.metric_settings,
                                     ctx.scheduler.get_last_lr()[0])
     ctx.detector.observe(step, {**metrics, **extremes})
@@ -349,7 +400,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
 
 
 def step_record(
-    ctx: StepContext,
+    settings: MetricSettings,
     roll,
     batch: Batch,
     old: OldPolicy,
@@ -359,10 +410,10 @@ def step_record(
 ) -> StepRecord:
     """This rank's own scalars of the step (routing statistics, mini-batch overlap, stage times and
     throughputs, each with its reduction) and what `reduce_step` reads beside the results."""
-    t, (t0, t1, t2, t3) = ctx.cfg.trainer, times
+    t0, t1, t2, t3 = times
     old_trace = old.trace
     local = routing_metrics(batch, old_trace, old.logp_BR, plan.replay_cache_bytes(old_trace))
-    local.update(minibatch_overlap(batch, batch.perm_B // t.group_size, batch.minibatches))
+    local.update(minibatch_overlap(batch, batch.perm_B // settings.group_size, batch.minibatches))
     local.update(mismatch_metrics(old.logp_BR, batch.sampler_logp_BR, roll.entropy_BR[batch.perm_B],
                                   batch.response_mask_BR))
     sampler_shift = None
@@ -381,6 +432,6 @@ def step_record(
     local["throughput/sampler_tokens_per_s"] = S.Stat("sum", (int(roll.response_mask_BR.sum()) / sample_s,))
     return StepRecord(
         local=local,
-        margins=response_margins(old_trace, response_positions(batch, slice(None)), ctx.controller.top_k),
+        margins=response_margins(old_trace, response_positions(batch, slice(None)), settings.top_k),
         sampler_shift=sampler_shift,
     )

@@ -178,12 +178,12 @@ def step_parts(replay: str, lr: float = 3e-2, extra: tuple[str, ...] = ()):
     batch = Batch.from_rollout(roll, adv_B, torch.arange(len(roll.texts)))
     batch.minibatches = [slice(0, 8), slice(8, 16)]
     plan = RoutingPlan(cfg.routing, ctx.controller, batch, 0, cfg.seed)
-    return ctx, batch, plan, old_policy(ctx, batch, plan)
+    return ctx, batch, plan, old_policy(ctx.forwards, batch, plan)
 
 
 def update_once(ctx, batch, plan, old, j: int = 0):
     """Mini-batch j's update: its finished metrics (this process's) and its routing change."""
-    result = update(ctx, batch, old, plan, j)
+    result = update(ctx.forwards, ctx.stepper, ctx.objective, batch, old, plan, j)
     return result.metrics, result.change
 
 
@@ -224,7 +224,7 @@ def test_rollout_replay_without_sampler_trace_raises():
     with pytest.raises(RoutingReplayError, match="sampler's routing"):
         update_once(ctx, batch, plan, old, 0)
     with pytest.raises(RoutingReplayError, match="sampler's routing"):
-        old_policy(ctx, batch, plan)
+        old_policy(ctx.forwards, batch, plan)
 
 
 def test_router_aux_loss_is_added_and_logged():

@@ -115,9 +115,9 @@ def test_pretrained_family_trains_through_its_config(tmp_path, saved, family):
     )
     batch.minibatches = [slice(0, 8)]
     plan = RoutingPlan(cfg.routing, ctx.controller, batch, 0, cfg.seed)
-    old = old_policy(ctx, batch, plan)
+    old = old_policy(ctx.forwards, batch, plan)
     before = {k: v.clone() for k, v in ctx.model.state_dict().items()}
-    metrics = update(ctx, batch, old, plan, 0).metrics
+    metrics = update(ctx.forwards, ctx.stepper, ctx.objective, batch, old, plan, 0).metrics
     assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in ctx.model.state_dict().items())
 

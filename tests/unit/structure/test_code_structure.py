@@ -215,3 +215,30 @@ def test_the_scan_finds_a_comparison_of_the_engine(tmp_path):
         "    assert self.engine != 'vllm'\n"
     )
     assert comparisons([src], "engine", tmp_path) == ["m.py:2", "m.py:4"]
+
+
+STEP = "moe_rl/trainer/step.py"
+
+
+def whole_context_phases(path: Path) -> list[str]:
+    """Functions of `path` other than rl_step with a parameter annotated StepContext: phases of the step
+    that take the whole context rather than the fields they read."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name != "rl_step":
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            if any(a.annotation is not None and "StepContext" in ast.unparse(a.annotation) for a in args):
+                found.append(node.name)
+    return found
+
+
+def test_the_phases_of_a_step_take_the_fields_they_read():
+    """Only rl_step reads the whole StepContext; the old-policy and update phases take `Forwards`, the
+    optimizer step `Stepper`, the step's record `MetricSettings` (issue 54, part 4)."""
+    assert whole_context_phases(ROOT / STEP) == []
+
+
+def test_the_scan_finds_a_phase_that_takes_the_whole_context(tmp_path):
+    bad = tmp_path / "step.py"
+    bad.write_text("def rl_step(ctx: StepContext, step): ...\ndef update(ctx: 'StepContext', batch): ...\n")
+    assert whole_context_phases(bad) == ["update"]

@@ -93,8 +93,8 @@ def test_bf16_first_minibatch_is_exactly_on_policy(replay):
     batch = Batch.from_rollout(roll, adv_B, torch.arange(8))
     batch.minibatches = [slice(0, 8)]
     plan = RoutingPlan(cfg.routing, ctx.controller, batch, 0, cfg.seed)
-    old = old_policy(ctx, batch, plan)
-    result = update(ctx, batch, old, plan, 0)
+    old = old_policy(ctx.forwards, batch, plan)
+    result = update(ctx.forwards, ctx.stepper, ctx.objective, batch, old, plan, 0)
     metrics, change = result.metrics, result.change
     assert metrics["ratio/token/max"] == 1.0 and metrics["ratio/token/min"] == 1.0
     assert metrics["clip/token_frac"] == 0.0 and not any(change.layers) and change.response == 0.0
