@@ -50,7 +50,12 @@ class Counts:
 @dataclass
 class RoutingChange:
     """One mini-batch's routing change (this rank's rows): the routing its update forward used absent
-    replay (free, or drifted) against the old policy's, before its update."""
+    replay (free, or drifted) against the old policy's, before its update.
+
+    A typed record rather than `reduction.Stats`, on purpose: its means pool in float32 tensor arithmetic
+    (`_pooled`), `length` sums rank by rank, and a step without drift logs 0.0 where a Stat would give nan;
+    as float64 Stats every one of these would change logged values (in their last bits), which the
+    step-equivalence harness (experiments/step_equivalence.py) forbids of a restructuring."""
 
     layers: list[float]
     """Per layer, the expert change 1 - |A∩B|/K over valid positions."""
