@@ -14,6 +14,9 @@
 #                           with $MOE_RL_RECORDS_URL, as the release asset $MOE_RL_RECORDS_URL/<file>
 #   sittings_finished       the number of finished runs in the sweep (summary.json outside .hydra/ and
 #                           overwritten-*/: moe_rl.trainer.folder.set_aside)
+#   sittings_prune          removes the finished runs' checkpoint.pt (sittings_pack calls it once they are
+#                           archived): it only served their resumption, and resume=true leaves a finished
+#                           run as it is without it; 76 MB per stale_rivals run, 58 GB over that study
 sittings_begin() {
   name=$1
   sweep=multirun/$name
@@ -38,6 +41,14 @@ sittings_pack() {
     moe-rl-archive publish "$keep/records.json" "$out" --wandb-project "${MOE_RL_RECORDS_PROJECT:-moe-rl-records}" \
       ${MOE_RL_RECORDS_URL:+--url-prefix "$MOE_RL_RECORDS_URL"}
   fi
+  sittings_prune
+}
+
+sittings_prune() {
+  local summary
+  while IFS= read -r -d '' summary; do
+    rm -f "$(dirname "$summary")/checkpoint.pt"
+  done < <(find "$sweep" -name summary.json -not -path '*/.hydra/*' -not -path '*/overwritten-*' -print0 2>/dev/null)
 }
 
 sittings_finished() {
