@@ -263,7 +263,7 @@ def tabled_note(left_out: list[str]) -> str:
     """report.md's sentence on what a report made from per-run tables leaves out."""
     what = "the figures of per-step curves" + "".join(f" and the section \"{h}\"" for h in left_out)
     return (f"Read from per-run tables (analysis.runtable), which keep no per-step curve: {what} "
-            f"are left out (`moe-rl-archive fetch` the sweep's records for them).")
+            "are left out (`moe-rl-archive fetch` the sweep's records for them).")
 
 
 def write_report(
