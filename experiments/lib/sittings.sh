@@ -14,9 +14,10 @@
 #                           with $MOE_RL_RECORDS_URL, as the release asset $MOE_RL_RECORDS_URL/<file>
 #   sittings_finished       the number of finished runs in the sweep (summary.json outside .hydra/ and
 #                           overwritten-*/: moe_rl.trainer.folder.set_aside)
-#   sittings_prune          removes the finished runs' checkpoint.pt (sittings_pack calls it once they are
-#                           archived): it only served their resumption, and resume=true leaves a finished
-#                           run as it is without it; 76 MB per stale_rivals run, 58 GB over that study
+#   sittings_prune          removes the finished runs' checkpoints, checkpoint.pt and checkpoint.prev.pt
+#                           (sittings_pack calls it once they are archived): they only served resumption, and
+#                           resume=true leaves a finished run as it is without them; 152 MB per stale_rivals
+#                           run, 117 GB over that study
 sittings_begin() {
   name=$1
   sweep=multirun/$name
@@ -47,7 +48,7 @@ sittings_pack() {
 sittings_prune() {
   local summary
   while IFS= read -r -d '' summary; do
-    rm -f "$(dirname "$summary")/checkpoint.pt"
+    rm -f "$(dirname "$summary")/checkpoint.pt" "$(dirname "$summary")/checkpoint.prev.pt"
   done < <(find "$sweep" -name summary.json -not -path '*/.hydra/*' -not -path '*/overwritten-*' -print0 2>/dev/null)
 }
 
