@@ -9,13 +9,17 @@
 # (experiments/lib/preregistration.py), runs whole warm starts (resume=true: a finished run is left as it
 # is), packs the finished runs' records and publishes them to the record store (commit
 # docs/results/stale_rivals/records.json at the end of every sitting, and `wandb sync` the artifact) and
-# prints counts only. Once every primary run is done (360), the primary family is
-# analysed as pre-registered (moe-rl-analyze on the sweep; its dose-interaction section forms the
-# differences in differences, and --pair names GSPO at its own lr against R2), and only then read.
+# prints counts only. Once every primary run is done (360), the primary family is analysed as
+# pre-registered, and only then read:
+#   experiments/stale_rivals.sh analyze     # experiments/stale_rivals_primary.py: D_a and D_b, t over warm
+#                                           # starts, Holm over the two (blind, exit 1, until all 360 are in;
+#                                           # FAILED_OK=1 once the driver has finished names the failed ones)
+# (moe-rl-analyze's dose-interaction section pairs arms at a shared lr only, so it cannot form D_b, GSPO at
+# its own lr against R2 at 1e-4: the script is the registered test.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source experiments/lib/sittings.sh
-stage=${1:?usage: experiments/stale_rivals.sh lr|primary|secondary}
+stage=${1:?usage: experiments/stale_rivals.sh lr|primary|secondary|analyze}
 sittings_begin stale_rivals
 python experiments/lib/preregistration.py check docs/preregistration/stale_rivals.md "$sweep" "$keep/records.json"
 common=(hydra/launcher=joblib_local trainer.threads=1 resume=true logger.progress=false)
@@ -53,5 +57,7 @@ case $stage in
       sittings_pack
       echo "$0: secondary cells of warm start $w done; $(sittings_finished) runs finished in all"
     done ;;
-  *) echo "$0: unknown stage $stage (lr, primary or secondary)" >&2; exit 2 ;;
+  analyze)
+    python experiments/stale_rivals_primary.py "$sweep" --out "$keep/primary" ${FAILED_OK:+--failed-ok} ;;
+  *) echo "$0: unknown stage $stage (lr, primary, secondary or analyze)" >&2; exit 2 ;;
 esac
